@@ -1,0 +1,78 @@
+"""Checkpoints: written atomically, read back with `weights_only=True` (no code runs on load)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import RunConfig
+
+# Keys that may change between a crash and its resume without changing what training computes.
+RESUME_NEUTRAL = {("train", "checkpoint_every"), ("train", "threads"), ("train", "num_workers"),
+                  ("train", "pin_memory")}
+
+
+class UnsafeCheckpoint(RuntimeError):
+    """The file needs arbitrary pickle globals to load: refused."""
+
+
+def fingerprint(cfg: RunConfig) -> str:
+    """Hash of every setting that changes what training computes."""
+    raw = cfg.to_dict()
+    for section, key in RESUME_NEUTRAL:
+        raw[section].pop(key, None)
+    raw.pop("profile", None)
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def save_atomic(state: dict[str, Any], path: Path) -> None:
+    """torch.save to a temp file, fsync, rename: a crash never leaves a half-written checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        torch.save(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Load a checkpoint with weights_only=True; a pickle that would run code is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpoint(f"{path}: refused, it is not a plain weights checkpoint and loading it would run "
+                               f"arbitrary code ({str(exc).splitlines()[0]}). Only load files you trust.") from exc
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states in weights_only-loadable types."""
+    np_state = np.random.get_state()
+    state = {
+        "python": [list(random.getstate()[1]), random.getstate()[2]] + [random.getstate()[0]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` saved."""
+    internal, gauss, version = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

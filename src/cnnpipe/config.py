@@ -1,0 +1,335 @@
+"""Typed, validated view of ``params.yaml``.
+
+Each params section maps to one frozen dataclass. Values are checked at the door: a wrong type,
+range or unknown key raises :class:`ParamsError` naming the exact key, the value and what is
+allowed, before any work starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+VARIANTS = ("baseline", "optimized")
+
+
+class ParamsError(ValueError):
+    """A params.yaml value is missing, mistyped or out of range."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ParamsError(f"params.yaml: `{key}` = {value!r} is invalid; allowed: {allowed}")
+
+
+# --------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class DataConfig:
+    """`data:` section, shared by every stage."""
+
+    source: str = "fashion-mnist"
+    """`fashion-mnist` (Debian package or data/raw copy) or a path to an ImageFolder tree."""
+    image_size: int = 32
+    """Side of the square crop fed to the model, for training and evaluation."""
+    stored_size: int = 32
+    """Short side of the images written by `prepare` (pre-resized once)."""
+    val_fraction: float = 0.1
+    """Share of the training images held out for validation (stratified)."""
+    test_fraction: float = 0.1
+    """Share held out for test when an ImageFolder tree has no predefined test split."""
+    max_train_images: int | None = None
+    """Cap on training images (stratified subsample); null = all. Small values make smoke runs."""
+    max_eval_images: int | None = None
+    """Cap on val and test images each; null = all."""
+    max_pixels: int = 89_478_485
+    """Images with more pixels are rejected as decompression bombs (PIL's own default)."""
+    on_bad_image: Literal["skip", "fail"] = "skip"
+    """`skip` lists broken files in metrics/data_report.json; `fail` stops the stage."""
+    prepare_workers: int = 2
+    """Decoder processes used by `prepare` for ImageFolder trees."""
+
+    def __post_init__(self) -> None:
+        for key in ("image_size", "stored_size"):
+            if not 8 <= getattr(self, key) <= 1024:
+                _fail(f"data.{key}", getattr(self, key), "an integer in [8, 1024]")
+        if self.image_size > self.stored_size:
+            _fail("data.image_size", self.image_size, f"<= data.stored_size ({self.stored_size})")
+        for key in ("val_fraction", "test_fraction"):
+            if not 0.0 < getattr(self, key) < 0.5:
+                _fail(f"data.{key}", getattr(self, key), "a fraction in (0, 0.5)")
+        for key in ("max_train_images", "max_eval_images"):
+            value = getattr(self, key)
+            if value is not None and value < 10:
+                _fail(f"data.{key}", value, "null (all) or an integer >= 10")
+        if self.max_pixels < 64:
+            _fail("data.max_pixels", self.max_pixels, "an integer >= 64")
+        if self.prepare_workers < 1:
+            _fail("data.prepare_workers", self.prepare_workers, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """`model:` section."""
+
+    name: str = "resnet50"
+    """Any timm model name."""
+    pretrained: Literal["auto", "true", "false"] = "auto"
+    """`true`: fail unless weights load; `auto`: use them when they can be had; `false`: random init."""
+    weights_file: str | None = None
+    """Local .safetensors/.pth checkpoint to start from (its head is resized to our classes)."""
+    drop_path: float = 0.0
+    """Stochastic depth rate."""
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            _fail("model.name", self.name, "a timm model name, e.g. resnet50")
+        if not 0.0 <= self.drop_path < 1.0:
+            _fail("model.drop_path", self.drop_path, "a rate in [0, 1)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """`train:` section; `variants.<name>.train` overrides it per recipe."""
+
+    epochs: int = 3
+    batch_size: int = 128
+    """Per-process batch size."""
+    lr: float = 0.1
+    """Peak learning rate for a global batch of 256; scaled linearly with the real global batch."""
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 5e-5
+    schedule: Literal["constant", "cosine"] = "cosine"
+    warmup_epochs: float = 0.3
+    """Linear warmup length, in (fractional) epochs; stepped per optimizer step."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of the peak LR."""
+    label_smoothing: float = 0.1
+    crop_scale_min: float = 0.35
+    """Smallest crop area (fraction of the image) of the random-resized crop."""
+    hflip: bool = True
+    """Random horizontal flips."""
+    ema_decay: float | None = None
+    """Model EMA decay (e.g. 0.998), evaluated alongside; null disables it."""
+    grad_clip: float | None = None
+    """Max global grad norm; null disables clipping."""
+    amp: Literal["off", "bf16", "fp16", "auto"] = "auto"
+    """Autocast dtype; `auto` is bf16 where the hardware supports it fast, else fp16 on CUDA."""
+    channels_last: bool = True
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
+    loader: Literal["baseline", "fast"] = "fast"
+    """`baseline`: per-sample PIL + torchvision transforms; `fast`: batched tensor augmentation."""
+    num_workers: int = 0
+    pin_memory: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    nproc: int = 1
+    """Processes per node; > 1 relaunches the stage under torchrun."""
+    nnodes: int = 1
+    """Machines taking part; > 1 uses a static rendezvous at `rdzv_endpoint`."""
+    node_rank: int = 0
+    """This machine's rank among `nnodes` (node 0 writes the outputs)."""
+    rdzv_endpoint: str = "127.0.0.1:29400"
+    """host:port of node 0, reachable from every node."""
+    threads: int | None = None
+    """torch intra-op threads per process; null = cores / processes."""
+    checkpoint_every: int = 1
+    """Write models/<variant>/last.pt every N epochs (and always at the end)."""
+
+    def __post_init__(self) -> None:
+        ints = {"epochs": 1, "batch_size": 1, "nproc": 1, "checkpoint_every": 1}
+        for key, low in ints.items():
+            if getattr(self, key) < low:
+                _fail(f"train.{key}", getattr(self, key), f"an integer >= {low}")
+        if self.num_workers < 0:
+            _fail("train.num_workers", self.num_workers, "an integer >= 0")
+        if not 0.0 < self.lr <= 10.0:
+            _fail("train.lr", self.lr, "a float in (0, 10]")
+        if not 0.0 <= self.momentum < 1.0:
+            _fail("train.momentum", self.momentum, "a float in [0, 1)")
+        if self.weight_decay < 0:
+            _fail("train.weight_decay", self.weight_decay, "a float >= 0")
+        if self.warmup_epochs < 0:
+            _fail("train.warmup_epochs", self.warmup_epochs, "a float >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("train.min_lr_ratio", self.min_lr_ratio, "a float in [0, 1]")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            _fail("train.label_smoothing", self.label_smoothing, "a float in [0, 1)")
+        if not 0.05 <= self.crop_scale_min <= 1.0:
+            _fail("train.crop_scale_min", self.crop_scale_min, "a fraction in [0.05, 1]")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            _fail("train.ema_decay", self.ema_decay, "null or a float in (0, 1)")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            _fail("train.grad_clip", self.grad_clip, "null or a float > 0")
+        if self.nnodes < 1:
+            _fail("train.nnodes", self.nnodes, "an integer >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            _fail("train.node_rank", self.node_rank, f"an integer in [0, train.nnodes={self.nnodes})")
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            _fail("train.rdzv_endpoint", self.rdzv_endpoint, "host:port, e.g. 10.0.0.1:29400")
+        if self.threads is not None and self.threads < 1:
+            _fail("train.threads", self.threads, "null or an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """`profile:` section: the torch.profiler schedule (in steps) and the tuning trials."""
+
+    wait: int = 1
+    warmup: int = 2
+    active: int = 4
+    trial_steps: int = 4
+    """Timed steps per tuning trial (after one warm-up step)."""
+
+    def __post_init__(self) -> None:
+        for key in ("wait", "warmup"):
+            if getattr(self, key) < 0:
+                _fail(f"profile.{key}", getattr(self, key), "an integer >= 0")
+        for key in ("active", "trial_steps"):
+            if getattr(self, key) < 2:
+                _fail(f"profile.{key}", getattr(self, key), "an integer >= 2")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one variant's stage needs: shared sections with the variant's overrides."""
+
+    variant: str
+    seed: int
+    data: DataConfig
+    model: ModelConfig
+    train: TrainConfig
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict, for saving next to the results."""
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- parsing
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    """Validate `value` against a dataclass field type; return it (ints widen to floats)."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        allowed = get_args(hint)
+        # YAML reads `off`/`true` as booleans; accept them for string choices.
+        if isinstance(value, bool):
+            for spelling in ("true", "on") if value else ("false", "off"):
+                if spelling in allowed:
+                    return spelling
+        if value not in allowed:
+            _fail(key, value, " | ".join(map(str, allowed)))
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(key, value, inner[0])
+    if hint is bool:
+        if not isinstance(value, bool):
+            _fail(key, value, "true | false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(key, value, "an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(key, value, "a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            _fail(key, value, "a string")
+        return value
+    raise TypeError(f"unsupported field type {hint!r} for {key}")
+
+
+def build_section(cls: type, raw: Any, prefix: str) -> Any:
+    """Build dataclass `cls` from a raw mapping, naming `prefix.key` in every error."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        _fail(prefix, raw, "a mapping of keys to values")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        _fail(f"{prefix}.{unknown[0]}", raw[unknown[0]], f"one of the known keys: {', '.join(sorted(names))}")
+    values = {k: _check_type(f"{prefix}.{k}", v, hints[k]) for k, v in raw.items()}
+    return cls(**values)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in (override or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Read params.yaml and validate every section and every variant; return the raw mapping."""
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError(f"{path} not found: run from the project root (where dvc.yaml is)")
+    with path.open() as fh:
+        raw = yaml.safe_load(fh) or {}
+    known = {"seed", "data", "model", "train", "profile", "variants"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        _fail(unknown[0], raw[unknown[0]], f"one of the top-level sections: {', '.join(sorted(known))}")
+    variants = raw.get("variants") or {}
+    if not isinstance(variants, dict):
+        _fail("variants", variants, "a mapping of variant name to overrides")
+    for name in variants:
+        resolve(raw, name)  # validate each variant up front
+    data_config(raw)
+    return raw
+
+
+def data_config(raw: dict[str, Any]) -> DataConfig:
+    """The shared `data` section."""
+    return build_section(DataConfig, raw.get("data"), "data")
+
+
+def resolve(raw: dict[str, Any], variant: str) -> RunConfig:
+    """Shared sections with `variants.<variant>` overrides applied, validated."""
+    variants = raw.get("variants") or {}
+    if variant not in variants:
+        raise ParamsError(
+            f"params.yaml: variant {variant!r} not under `variants`; defined: {', '.join(variants) or 'none'}"
+        )
+    override = variants[variant] or {}
+    if not isinstance(override, dict):
+        _fail(f"variants.{variant}", override, "a mapping with `model` and/or `train` overrides")
+    bad = sorted(set(override) - {"model", "train"})
+    if bad:
+        _fail(f"variants.{variant}.{bad[0]}", override[bad[0]], "only `model` and `train` can be overridden")
+    seed = raw.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        _fail("seed", seed, "an integer")
+    prefix = f"variants.{variant}"
+
+    def section(cls: type, name: str) -> Any:
+        shared = raw.get(name) or {}
+        build_section(cls, shared, name)  # errors in the shared part name the shared key
+        return build_section(cls, _merge(shared, override.get(name) or {}), f"{prefix}.{name}")
+
+    return RunConfig(
+        variant=variant,
+        seed=seed,
+        data=data_config(raw),
+        model=section(ModelConfig, "model"),
+        train=section(TrainConfig, "train"),
+        profile=build_section(ProfileConfig, raw.get("profile"), "profile"),
+    )

@@ -1,0 +1,1 @@
+"""Data ingestion (prepare), the prepared format, and the training/eval loaders."""

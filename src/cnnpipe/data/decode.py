@@ -1,0 +1,100 @@
+"""Decode any real-world image file into a square, pre-resized uint8 array.
+
+Rules (documented in the README):
+- EXIF orientation is applied first, so photos stand the way the camera held them.
+- Transparency (modes LA, PA, RGBA, P with a transparency key) is composited onto white, the
+  background of product photos; CMYK goes through PIL's conversion; 16-bit greyscale is scaled
+  to 8 bits; every image ends as RGB.
+- The short side is resized to `size` (bicubic, antialiased) and the centre square is kept:
+  the aspect ratio is preserved, and the same centre region is what evaluation sees.
+- More pixels than `max_pixels` (read from the header, before decoding) is a decompression bomb
+  and is rejected without decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+
+# We enforce our own limit (data.max_pixels) from the header; PIL's global guard would raise
+# a different exception type, or only warn, depending on the size.
+Image.MAX_IMAGE_PIXELS = None
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Outcome of decoding one file: `image` is None when the file was rejected."""
+
+    path: str
+    sha256: str
+    image: np.ndarray | None
+    reason: str | None = None
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Convert any PIL mode to RGB, compositing transparency onto white."""
+    if img.mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    if img.mode == "PA":
+        img = img.convert("RGBA")
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16/32-bit greyscale: keep the top 8 bits of the range actually used by the format.
+        arr = np.asarray(img, dtype=np.uint32)
+        shift = 8 if img.mode.startswith("I;16") or arr.max() <= 0xFFFF else 24
+        img = Image.fromarray((arr >> shift).astype(np.uint8), mode="L")
+    if img.mode == "F":
+        arr = np.clip(np.asarray(img), 0, 255).astype(np.uint8)
+        img = Image.fromarray(arr, mode="L")
+    if img.mode in ("LA", "RGBA"):
+        background = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(background, img.convert("RGBA"))
+    return img.convert("RGB")
+
+
+def resize_center_square(img: Image.Image, size: int) -> Image.Image:
+    """Resize the short side to `size` (aspect kept), then keep the centre `size` square."""
+    w, h = img.size
+    scale = size / min(w, h)
+    new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
+    img = img.resize((new_w, new_h), Image.Resampling.BICUBIC, reducing_gap=3.0)
+    left, top = (new_w - size) // 2, (new_h - size) // 2
+    return img.crop((left, top, left + size, top + size))
+
+
+def decode_file(path: str | Path, size: int, max_pixels: int) -> Decoded:
+    """Read, check and pre-resize one image file; never raises for a bad image."""
+    path = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        return Decoded(path, "", None, f"unreadable: {exc.strerror or exc}")
+    digest = hashlib.sha256(data).hexdigest()
+    if not data:
+        return Decoded(path, digest, None, "empty file (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PIL's EXIF/metadata warnings are not our business
+            with Image.open(path) as img:
+                w, h = img.size
+                if w * h > max_pixels:
+                    return Decoded(path, digest, None,
+                                   f"decompression bomb: {w}x{h} = {w * h} pixels > data.max_pixels={max_pixels}")
+                if img.format == "JPEG":
+                    img.draft("RGB", (size * 2, size * 2))  # decode at reduced scale: far faster
+                img.seek(0)  # GIF/TIFF: first frame
+                img.load()
+                img = ImageOps.exif_transpose(img)
+                img = resize_center_square(to_rgb(img), size)
+                array = np.asarray(img, dtype=np.uint8).copy()
+    except UnidentifiedImageError:
+        return Decoded(path, digest, None, "not an image (unrecognised format)")
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        return Decoded(path, digest, None, f"corrupt or truncated: {exc}")
+    return Decoded(path, digest, array)

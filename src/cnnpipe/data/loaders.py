@@ -1,0 +1,268 @@
+"""Training and evaluation loaders over the prepared format.
+
+Two loaders on purpose:
+- `baseline`: the naive reference, per-sample PIL images through torchvision transforms.
+- `fast`: whole uint8 batches gathered from the memory map (in workers if asked), copied as
+  uint8 (4x fewer bytes than float), then cropped, flipped and normalised on the training device
+  in one `grid_sample` call per batch.
+
+Both yield CPU batches; `device_transform` runs after the host→device copy, so the engine can time
+data wait, copy and augmentation separately. Evaluation uses `eval_transform` for every variant
+(and for prediction), so accuracies are comparable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .store import PreparedSplit
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """Random-resized-crop and flip settings shared by both loaders."""
+
+    image_size: int
+    scale: tuple[float, float] = (0.35, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: bool = True
+
+
+class ShardSampler(Sampler[list[int]]):
+    """Batches of indices for one rank: a fresh permutation each epoch, sharded across ranks.
+
+    Training (`drop_last`) gives every rank the same number of full batches; evaluation keeps every
+    item exactly once across ranks (shards may differ in length by one).
+    """
+
+    def __init__(self, n: int, batch_size: int, *, shuffle: bool, drop_last: bool, seed: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
+        self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def shard(self) -> np.ndarray:
+        """This rank's indices for the current epoch."""
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+        else:
+            order = np.arange(self.n)
+        if self.drop_last:
+            per_rank = self.n // self.world_size
+            return order[self.rank * per_rank : (self.rank + 1) * per_rank]
+        return order[self.rank :: self.world_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        shard = self.shard()
+        stop = len(shard) - len(shard) % self.batch_size if self.drop_last else len(shard)
+        for start in range(0, stop, self.batch_size):
+            yield shard[start : start + self.batch_size].tolist()
+
+    def __len__(self) -> int:
+        per_rank = self.n // self.world_size if self.drop_last else math.ceil((self.n - self.rank) / self.world_size)
+        return per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
+
+
+# --------------------------------------------------------------------------- fast path
+class _UInt8Batches(Dataset):
+    """dataset[list of indices] → (uint8 NHWC batch, labels): one gather from the memory map."""
+
+    def __init__(self, split: PreparedSplit) -> None:
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, indices: Sequence[int]) -> Batch:
+        order = np.sort(np.asarray(indices))  # sequential reads from the memory map
+        images = torch.from_numpy(np.ascontiguousarray(self.split.images[order]))
+        labels = torch.from_numpy(self.split.labels[order])
+        return images, labels
+
+
+def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """uint8/float NCHW in [0, 255] → float normalised by the model's mean/std."""
+    m = torch.tensor(mean, device=x.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    s = torch.tensor(std, device=x.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    return (x.float() - m) / s
+
+
+def to_nchw(images: torch.Tensor) -> torch.Tensor:
+    """uint8 NHWC → NCHW view; NHWC storage makes it channels_last for free."""
+    return images.permute(0, 3, 1, 2)
+
+
+def random_resized_crop(x: torch.Tensor, aug: AugmentConfig, generator: torch.Generator) -> torch.Tensor:
+    """Per-sample random-resized crop + horizontal flip of a float NCHW batch, in one grid_sample."""
+    n = x.shape[0]
+    dev = generator.device
+    area = torch.empty(n, device=dev).uniform_(*aug.scale, generator=generator)
+    log_r = torch.empty(n, device=dev).uniform_(math.log(aug.ratio[0]), math.log(aug.ratio[1]), generator=generator)
+    ratio = torch.exp(log_r)
+    w = torch.sqrt(area * ratio).clamp(max=1.0)  # crop width/height as fractions of the side
+    h = torch.sqrt(area / ratio).clamp(max=1.0)
+    cx = (torch.rand(n, device=dev, generator=generator) * 2 - 1) * (1 - w)
+    cy = (torch.rand(n, device=dev, generator=generator) * 2 - 1) * (1 - h)
+    flip = torch.ones(n, device=dev)
+    if aug.hflip:
+        flip = torch.where(torch.rand(n, device=dev, generator=generator) < 0.5, -1.0, 1.0)
+    theta = torch.zeros(n, 2, 3, device=dev)
+    theta[:, 0, 0], theta[:, 0, 2] = w * flip, cx
+    theta[:, 1, 1], theta[:, 1, 2] = h, cy
+    theta = theta.to(x.device)
+    grid = F.affine_grid(theta, [n, x.shape[1], aug.image_size, aug.image_size], align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+
+
+def eval_transform(images: torch.Tensor, image_size: int, mean: Sequence[float], std: Sequence[float],
+                   channels_last: bool = False) -> torch.Tensor:
+    """Deterministic evaluation/prediction transform: resize the stored square to `image_size`."""
+    x = to_nchw(images).float()
+    if x.shape[-1] != image_size:
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", antialias=True, align_corners=False)
+    x = normalize(x, mean, std)
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+class FastTransform:
+    """Device-side transform for fast-loader batches (after the uint8 copy)."""
+
+    def __init__(self, aug: AugmentConfig, mean: Sequence[float], std: Sequence[float], *, train: bool,
+                 channels_last: bool, seed: int, rank: int = 0) -> None:
+        self.aug, self.mean, self.std, self.train = aug, mean, std, train
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.seed, self.rank = seed, rank
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed * 1000 + self.rank)
+            self._generators[key] = g
+        return self._generators[key]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """RNG states, for exact resume."""
+        return {k: g.get_state() for k, g in self._generators.items()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        for key, value in state.items():
+            self._generator(torch.device(key)).set_state(value)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if not self.train:
+            return eval_transform(images, self.aug.image_size, self.mean, self.std, self.memory_format == torch.channels_last)
+        x = to_nchw(images).float()
+        x = random_resized_crop(x, self.aug, self._generator(x.device))
+        return normalize(x, self.mean, self.std).contiguous(memory_format=self.memory_format)
+
+
+# --------------------------------------------------------------------------- baseline path
+class PILDataset(Dataset):
+    """The naive reference: one PIL image and one torchvision pipeline call per sample."""
+
+    def __init__(self, split: PreparedSplit, transform) -> None:
+        self.split, self.transform = split, transform
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        pixels = np.asarray(self.split.images[i])
+        img = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+        return self.transform(img), int(self.split.labels[i])
+
+
+def baseline_transform(aug: AugmentConfig, mean: Sequence[float], std: Sequence[float]):
+    """torchvision per-sample training transform (the classic ImageNet recipe)."""
+    from torchvision import transforms as T
+
+    return T.Compose([
+        T.RandomResizedCrop(aug.image_size, scale=aug.scale, ratio=aug.ratio, antialias=True),
+        T.RandomHorizontalFlip() if aug.hflip else T.Lambda(lambda im: im),
+        T.ToTensor(),
+        T.Normalize(mean, std),
+    ])
+
+
+class _IndexBatches(Sampler[int]):
+    """Flattens a ShardSampler into single indices, for the per-sample baseline DataLoader."""
+
+    def __init__(self, batches: ShardSampler) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self.batches:
+            yield from batch
+
+    def __len__(self) -> int:
+        return len(self.batches) * self.batches.batch_size
+
+
+@dataclass
+class TrainLoader:
+    """A DataLoader plus the device-side transform the engine applies after the copy."""
+
+    loader: DataLoader
+    sampler: ShardSampler
+    device_transform: object  # callable: CPU→device batch → model input
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def _keep_layout(channels_last: bool):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return lambda x: x.contiguous(memory_format=fmt)
+
+
+def build_train_loader(split: PreparedSplit, *, kind: str, batch_size: int, aug: AugmentConfig,
+                       mean: Sequence[float], std: Sequence[float], seed: int, rank: int = 0,
+                       world_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
+                       channels_last: bool = False, prefetch_factor: int = 2) -> TrainLoader:
+    """The training loader of `kind` (`baseline` or `fast`), sharded for this rank."""
+    if len(split) // world_size < batch_size:
+        raise ValueError(f"train.batch_size={batch_size} is larger than the {len(split) // world_size} training "
+                         f"images per process; lower train.batch_size or add data")
+    sampler = ShardSampler(len(split), batch_size, shuffle=True, drop_last=True, seed=seed, rank=rank,
+                           world_size=world_size)
+    extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor} if num_workers > 0 else {}
+    if kind == "fast":
+        loader = DataLoader(_UInt8Batches(split), sampler=sampler, batch_size=None, num_workers=num_workers,
+                            pin_memory=pin_memory, **extra)
+        transform = FastTransform(aug, mean, std, train=True, channels_last=channels_last, seed=seed, rank=rank)
+        return TrainLoader(loader, sampler, transform)
+    if kind == "baseline":
+        torch.manual_seed(seed * 1000 + rank)  # torchvision transforms draw from the global RNG
+        dataset = PILDataset(split, baseline_transform(aug, mean, std))
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=_IndexBatches(sampler), num_workers=num_workers,
+                            pin_memory=pin_memory, drop_last=True, **extra)
+        return TrainLoader(loader, sampler, _keep_layout(channels_last))
+    raise ValueError(f"train.loader={kind!r}; allowed: baseline | fast")
+
+
+def build_eval_loader(split: PreparedSplit, *, batch_size: int, rank: int = 0, world_size: int = 1,
+                      num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    """Deterministic loader of uint8 batches; each item seen once across ranks."""
+    sampler = ShardSampler(len(split), batch_size, shuffle=False, drop_last=False, rank=rank, world_size=world_size)
+    return DataLoader(_UInt8Batches(split), sampler=sampler, batch_size=None, num_workers=num_workers,
+                      pin_memory=pin_memory)

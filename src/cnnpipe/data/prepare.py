@@ -1,0 +1,269 @@
+"""The prepare stage: ingest a labelled image set, split it, write the prepared format."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.model_selection import train_test_split
+from tqdm import tqdm
+
+from ..config import DataConfig
+from . import idx
+from .decode import IMAGE_EXTENSIONS, Decoded, decode_file
+from .store import SPLITS, SplitWriter, write_index
+
+SPLIT_ALIASES = {"train": "train", "val": "val", "validation": "val", "valid": "val", "test": "test"}
+
+
+class DataError(ValueError):
+    """The input data cannot make a usable data set; the message says what to fix."""
+
+
+# --------------------------------------------------------------------------- splitting
+def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split positions 0..N-1 into (keep, held_out) by class, with scikit-learn.
+
+    Classes with fewer than two members cannot be stratified; they stay whole in `keep`.
+    Both outputs are sorted, so the result depends only on labels, fraction and seed.
+    """
+    labels = np.asarray(labels)
+    positions = np.arange(len(labels))
+    counts = np.bincount(labels) if len(labels) else np.zeros(0, int)
+    splittable = counts[labels] >= 2 if len(labels) else np.zeros(0, bool)
+    fixed, pool = positions[~splittable], positions[splittable]
+    if len(pool) == 0:
+        return positions, np.zeros(0, dtype=int)
+    n_classes = len(np.unique(labels[pool]))
+    n_held = max(n_classes, int(round(fraction * len(pool))))
+    if n_held >= len(pool) - n_classes + 1:
+        n_held = max(1, len(pool) // 2)
+    try:
+        keep, held = train_test_split(pool, test_size=n_held, stratify=labels[pool], random_state=seed)
+    except ValueError:  # too few samples for a stratified split: plain shuffle split
+        keep, held = train_test_split(pool, test_size=n_held, random_state=seed)
+    return np.sort(np.concatenate([fixed, keep])), np.sort(held)
+
+
+def stratified_subsample(labels: np.ndarray, cap: int | None, seed: int) -> np.ndarray:
+    """Sorted positions of at most `cap` items, class proportions kept; all when cap is None."""
+    positions = np.arange(len(labels))
+    if cap is None or cap >= len(labels):
+        return positions
+    _, held = stratified_split(labels, cap / len(labels), seed)
+    return held[:cap]
+
+
+# --------------------------------------------------------------------------- Fashion-MNIST
+def _resize_batch(images: np.ndarray, size: int) -> np.ndarray:
+    """(N, H, W) uint8 → (N, size, size, 1) uint8 with antialiased bilinear resizing."""
+    if images.shape[1] == size and images.shape[2] == size:
+        return images[..., None].copy()
+    out = np.empty((len(images), size, size, 1), dtype=np.uint8)
+    for start in range(0, len(images), 4096):
+        chunk = torch.from_numpy(np.ascontiguousarray(images[start : start + 4096])).float()[:, None]
+        resized = F.interpolate(chunk, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        out[start : start + 4096] = resized.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return out
+
+
+def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
+                          search_dirs: tuple[Path, ...] = idx.SEARCH_DIRS) -> dict[str, Any]:
+    """Fashion-MNIST → train/val (stratified split of the 60k) and the official 10k test."""
+    raw_dir = idx.locate(search_dirs)
+    train_x, train_y = idx.load_split(raw_dir, "train")
+    test_x, test_y = idx.load_split(raw_dir, "test")
+    keep, val = stratified_split(train_y, cfg.val_fraction, seed)
+    keep = keep[stratified_subsample(train_y[keep], cfg.max_train_images, seed)]
+    val = val[stratified_subsample(train_y[val], cfg.max_eval_images, seed)]
+    test = stratified_subsample(test_y, cfg.max_eval_images, seed)
+    parts = {
+        "train": (train_x, train_y, keep, "train-images-idx3-ubyte"),
+        "val": (train_x, train_y, val, "train-images-idx3-ubyte"),
+        "test": (test_x, test_y, test, "t10k-images-idx3-ubyte"),
+    }
+    counts: dict[str, list[int]] = {}
+    hashes: dict[str, dict[str, str]] = {}
+    for split, (images, labels, positions, file_name) in parts.items():
+        writer = SplitWriter(out_dir, split, cfg.stored_size, channels=1)
+        resized = _resize_batch(images[positions], cfg.stored_size)
+        split_hashes = {}
+        for image, pos, label in zip(resized, positions, labels[positions]):
+            digest = hashlib.sha256(images[pos].tobytes()).hexdigest()
+            source = f"{file_name}#{pos}"
+            writer.add(image, int(label), source, digest)
+            split_hashes.setdefault(digest, source)
+        writer.close()
+        counts[split] = np.bincount(labels[positions], minlength=len(idx.CLASSES)).tolist()
+        hashes[split] = split_hashes
+    index = write_index(out_dir, list(idx.CLASSES), cfg.stored_size, 1, counts, f"fashion-mnist:{raw_dir}")
+    return {
+        "source": "fashion-mnist",
+        "raw_dir": str(raw_dir),
+        "splits": {s: v["count"] for s, v in index["splits"].items()},
+        "classes": list(idx.CLASSES),
+        "bad_files": [],
+        "num_bad": 0,
+        "leakage": _leakage(hashes),
+    }
+
+
+# --------------------------------------------------------------------------- ImageFolder
+def _is_hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def _class_files(class_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(image files, ignored non-image files) under one class folder, recursively, sorted."""
+    images, ignored = [], []
+    for path in sorted(p for p in class_dir.rglob("*") if p.is_file() or p.is_symlink()):
+        if _is_hidden(path, class_dir):
+            continue
+        (images if path.suffix.lower() in IMAGE_EXTENSIONS else ignored).append(path)
+    return images, ignored
+
+
+def scan_tree(root: Path) -> tuple[dict[str, dict[str, list[Path]]], list[Path], bool]:
+    """Find class folders; returns ({split or 'all': {class: files}}, ignored files, predefined)."""
+    if not root.is_dir():
+        raise DataError(f"data.source: {root} is not a directory; give `fashion-mnist` or an ImageFolder tree")
+    subdirs = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")}
+    split_dirs = {SPLIT_ALIASES[n.lower()]: p for n, p in subdirs.items() if n.lower() in SPLIT_ALIASES}
+    predefined = "train" in split_dirs
+    groups = split_dirs if predefined else {"all": root}
+    tree: dict[str, dict[str, list[Path]]] = {}
+    ignored: list[Path] = []
+    for split, directory in groups.items():
+        tree[split] = {}
+        for class_dir in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            files, skipped = _class_files(class_dir)
+            tree[split][class_dir.name] = files
+            ignored += skipped
+        ignored += [p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")]
+    return tree, sorted(ignored), predefined
+
+
+def _assign_splits(tree: dict[str, dict[str, list[Path]]], predefined: bool, classes: list[str],
+                   cfg: DataConfig, seed: int) -> dict[str, list[tuple[Path, int]]]:
+    """Items per split: predefined folders kept, missing splits carved out of train, stratified."""
+    label_of = {c: i for i, c in enumerate(classes)}
+
+    def items(group: dict[str, list[Path]]) -> list[tuple[Path, int]]:
+        return [(f, label_of[c]) for c in sorted(group) if c in label_of for f in group[c]]
+
+    pool = items(tree["train" if predefined else "all"])
+    splits: dict[str, list[tuple[Path, int]]] = {}
+    for split, fraction in (("test", cfg.test_fraction), ("val", cfg.val_fraction)):
+        if predefined and split in tree:
+            splits[split] = items(tree[split])
+        else:
+            labels = np.array([label for _, label in pool], dtype=int)
+            keep, held = stratified_split(labels, fraction, seed)
+            splits[split] = [pool[i] for i in held]
+            pool = [pool[i] for i in keep]
+    splits["train"] = pool
+    caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
+    for split, cap in caps.items():
+        labels = np.array([label for _, label in splits[split]], dtype=int)
+        splits[split] = [splits[split][i] for i in stratified_subsample(labels, cap, seed)]
+    return splits
+
+
+def _leakage(hashes: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
+    """Byte-identical items found in more than one split."""
+    where: dict[str, dict[str, str]] = defaultdict(dict)
+    for split, by_hash in hashes.items():
+        for digest, source in by_hash.items():
+            where[digest][split] = source
+    return [{"sha256": d, "splits": sorted(s), "sources": [s[k] for k in sorted(s)]}
+            for d, s in sorted(where.items()) if len(s) > 1]
+
+
+def _decode_all(paths: list[Path], cfg: DataConfig, desc: str) -> Iterable[Decoded]:
+    """Decode in `data.prepare_workers` processes, in input order (so output is deterministic)."""
+    work = partial(decode_file, size=cfg.stored_size, max_pixels=cfg.max_pixels)
+    bar = partial(tqdm, total=len(paths), desc=desc, unit="img", disable=None, mininterval=2.0)
+    if cfg.prepare_workers == 1 or len(paths) < 64:
+        yield from bar(map(work, paths))
+        return
+    with mp.get_context("spawn").Pool(cfg.prepare_workers) as pool:
+        yield from bar(pool.imap(work, paths, chunksize=32))
+
+
+def prepare_image_folder(cfg: DataConfig, seed: int, out_dir: Path, root: Path) -> dict[str, Any]:
+    """Ingest an ImageFolder tree; broken files are skipped and listed (or fail the stage)."""
+    tree, ignored, predefined = scan_tree(root)
+    all_classes = sorted({c for group in tree.values() for c in group})
+    empty = sorted(c for c in all_classes if not any(group.get(c) for group in tree.values()))
+    classes = [c for c in all_classes if c not in empty]
+    if len(classes) < 2:
+        raise DataError(f"data.source: {root} has {len(classes)} usable class folder(s) "
+                        f"({', '.join(classes) or 'none'}); need at least two (one folder per class)")
+    splits = _assign_splits(tree, predefined, classes, cfg, seed)
+    bad: list[dict[str, str]] = []
+    counts: dict[str, list[int]] = {}
+    hashes: dict[str, dict[str, str]] = {}
+    for split in SPLITS:
+        writer = SplitWriter(out_dir, split, cfg.stored_size, channels=3)
+        labels = [label for _, label in splits[split]]
+        split_hashes: dict[str, str] = {}
+        for (path, label), result in zip(splits[split], _decode_all([p for p, _ in splits[split]], cfg, split)):
+            rel = str(path.relative_to(root))
+            if result.image is None:
+                bad.append({"path": rel, "split": split, "reason": str(result.reason)})
+                continue
+            writer.add(result.image, label, rel, result.sha256)
+            split_hashes.setdefault(result.sha256, rel)
+        writer.close()
+        counts[split] = np.bincount(np.asarray(writer.labels, dtype=int), minlength=len(classes)).tolist()
+        hashes[split] = split_hashes
+        del labels
+    if bad and cfg.on_bad_image == "fail":
+        listing = "\n".join(f"  {b['path']}: {b['reason']}" for b in bad[:50])
+        raise DataError(f"{len(bad)} unusable image(s) under {root} and data.on_bad_image=fail:\n{listing}\n"
+                        "Fix or remove them, or set data.on_bad_image: skip to list them and go on.")
+    no_train = [classes[i] for i, n in enumerate(counts["train"]) if n == 0]
+    if len(classes) - len(no_train) < 2:
+        raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
+                        f"(without any: {', '.join(no_train)}); see metrics/data_report.json")
+    index = write_index(out_dir, classes, cfg.stored_size, 3, counts, f"imagefolder:{root}")
+    return {
+        "source": str(root),
+        "predefined_splits": predefined,
+        "splits": {s: v["count"] for s, v in index["splits"].items()},
+        "classes": classes,
+        "empty_classes": empty,
+        "classes_without_train_images": no_train,
+        "ignored_files": [str(p.relative_to(root)) for p in ignored],
+        "bad_files": bad,
+        "num_bad": len(bad),
+        "leakage": _leakage(hashes),
+    }
+
+
+# --------------------------------------------------------------------------- entry point
+def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path) -> dict[str, Any]:
+    """Write the prepared data set to `out_dir` and the data report to `report_path`."""
+    out_dir, report_path = Path(out_dir), Path(report_path)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    if cfg.source == "fashion-mnist":
+        report = prepare_fashion_mnist(cfg, seed, out_dir)
+    else:
+        report = prepare_image_folder(cfg, seed, out_dir, Path(cfg.source).expanduser())
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = report_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, report_path)
+    return report

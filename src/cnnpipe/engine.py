@@ -1,0 +1,143 @@
+"""One training epoch and one evaluation pass, with honest timing of where the time goes."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from .distributed import DistInfo, all_reduce_sum
+from .precision import autocast
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass
+class EpochStats:
+    """What one epoch of training measured on this rank."""
+
+    loss: float = 0.0
+    images: int = 0
+    steps: int = 0
+    time_s: float = 0.0
+    data_wait_s: float = 0.0
+    lr_last: float = 0.0
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def data_wait_frac(self) -> float:
+        return self.data_wait_s / self.time_s if self.time_s else 0.0
+
+
+@dataclass
+class StepContext:
+    """Everything a training step needs besides the batch."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    amp: str
+    label_smoothing: float = 0.0
+    scaler: torch.amp.GradScaler | None = None
+    grad_clip: float | None = None
+    lr_for_step: Callable[[int], float] = lambda step: 0.0
+    ema: torch.nn.Module | None = None
+
+
+def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callable, start_step: int,
+                    on_step: Callable[[int, float], None] | None = None) -> EpochStats:
+    """Train over `loader` once; `start_step` is the global optimizer step the epoch begins at."""
+    ctx.model.train()
+    stats = EpochStats()
+    running = torch.zeros((), device=ctx.device)
+    step = start_step
+    sync = ctx.device.type == "cuda"
+    t_epoch = time.perf_counter()
+    t_wait = time.perf_counter()
+    for images, labels in loader:
+        stats.data_wait_s += time.perf_counter() - t_wait  # time blocked on the loader
+        t_step = time.perf_counter()
+        images = images.to(ctx.device, non_blocking=True)
+        labels = labels.to(ctx.device, non_blocking=True)
+        x = device_transform(images)
+        lr = ctx.lr_for_step(step)
+        for group in ctx.optimizer.param_groups:
+            group["lr"] = lr
+        with autocast(ctx.amp, ctx.device):
+            logits = ctx.model(x)
+            loss = F.cross_entropy(logits, labels, label_smoothing=ctx.label_smoothing)
+        # On the CPU this check is free; on CUDA it is a sync point, so only every 50 steps.
+        if (not sync or step % 50 == 0) and not math.isfinite(loss.item()):
+            raise NonFiniteLoss(f"loss is {loss.item()} at optimizer step {step} (lr={lr:.4g})")
+        ctx.optimizer.zero_grad(set_to_none=True)
+        if ctx.scaler is not None:
+            ctx.scaler.scale(loss).backward()
+            if ctx.grad_clip:
+                ctx.scaler.unscale_(ctx.optimizer)
+                torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.grad_clip)
+            ctx.scaler.step(ctx.optimizer)
+            ctx.scaler.update()
+        else:
+            loss.backward()
+            if ctx.grad_clip:
+                torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.grad_clip)
+            ctx.optimizer.step()
+        if ctx.ema is not None:
+            ctx.ema.update(ctx.model, step=step)
+        running += loss.detach() * labels.shape[0]
+        stats.images += labels.shape[0]
+        stats.steps += 1
+        stats.lr_last = lr
+        step += 1
+        if on_step is not None:
+            on_step(step, lr)
+        stats.step_times.append(time.perf_counter() - t_step)
+        t_wait = time.perf_counter()
+    if sync:
+        torch.cuda.synchronize(ctx.device)
+    stats.time_s = time.perf_counter() - t_epoch
+    stats.loss = running.item() / max(1, stats.images)
+    if not math.isfinite(stats.loss):
+        raise NonFiniteLoss(f"mean epoch loss is {stats.loss}")
+    return stats
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, loader: Iterable, transform: Callable, device: torch.device,
+            amp: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 logits, labels) on the CPU for every batch of `loader` on this rank."""
+    model.eval()
+    all_logits, all_labels = [], []
+    for images, labels in loader:
+        x = transform(images.to(device, non_blocking=True))
+        with autocast(amp, device):
+            logits = model(x)
+        all_logits.append(logits.float().cpu())
+        all_labels.append(labels)
+    if not all_logits:
+        return torch.zeros(0, 0), torch.zeros(0, dtype=torch.long)
+    return torch.cat(all_logits), torch.cat(all_labels)
+
+
+def evaluate_top1(model: torch.nn.Module, loader: Iterable, transform: Callable, info: DistInfo,
+                  amp: str) -> dict[str, float]:
+    """Top-1, top-5 and loss over all ranks' shards."""
+    logits, labels = predict(model, loader, transform, info.device, amp)
+    n = len(labels)
+    if n:
+        k = min(5, logits.shape[1])
+        top = logits.topk(k, dim=1).indices
+        correct1 = (top[:, 0] == labels).sum().item()
+        correct5 = (top == labels[:, None]).any(dim=1).sum().item()
+        loss_sum = F.cross_entropy(logits, labels, reduction="sum").item()
+    else:
+        correct1 = correct5 = loss_sum = 0.0
+    c1, c5, ls, total = all_reduce_sum([correct1, correct5, loss_sum, n], info)
+    total = max(total, 1)
+    return {"top1": c1 / total, "top5": c5 / total, "loss": ls / total}

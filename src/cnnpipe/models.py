@@ -1,0 +1,157 @@
+"""Model creation through timm, with honest pretrained-weight resolution.
+
+Weights are looked for, in order: `model.weights_file`, the local Hugging Face cache, then the hub
+(only when it answers within seconds, so an offline machine never hangs). Whatever happens is
+recorded in `InitInfo` and ends up in train.json: we never claim weights that were not loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import timm
+import torch
+
+from .config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+HUB_HOST = "huggingface.co"
+
+
+class WeightsUnavailable(RuntimeError):
+    """`model.pretrained: true` but no weights could be had."""
+
+
+@dataclass(frozen=True)
+class InitInfo:
+    """Where the initial weights came from."""
+
+    source: str  # "random", "file", "hub-cache" or "hub"
+    location: str | None = None
+    sha256: str | None = None
+
+    def to_dict(self) -> dict[str, str | None]:
+        return asdict(self)
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, streamed."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP check, so `auto` never waits on a machine with no route to the hub."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        with socket.create_connection((HUB_HOST, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _hub_file(model_name: str) -> tuple[str, str] | None:
+    """(repo id, cached weights path) when the hub cache holds this model's weights."""
+    cfg = timm.models.get_pretrained_cfg(model_name)
+    repo = getattr(cfg, "hf_hub_id", None) if cfg else None
+    if not repo:
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    for filename in ("model.safetensors", "pytorch_model.bin"):
+        found = try_to_load_from_cache(repo, filename)
+        if isinstance(found, str):
+            return repo, found
+    return None
+
+
+def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[torch.nn.Module, InitInfo]:
+    """Build `cfg.name` for our classes; load pretrained weights per `cfg.pretrained`."""
+    kwargs = dict(num_classes=num_classes, in_chans=in_chans)
+    if cfg.drop_path:
+        kwargs["drop_path_rate"] = cfg.drop_path
+    if cfg.name not in timm.list_models(pretrained=False) and cfg.name.split(".")[0] not in timm.list_models():
+        raise ValueError(f"model.name={cfg.name!r} is not a timm model; see timm.list_models()")
+    if cfg.pretrained == "false":
+        return timm.create_model(cfg.name, pretrained=False, **kwargs), InitInfo("random")
+
+    attempts: list[str] = []
+    if cfg.weights_file:
+        path = Path(cfg.weights_file).expanduser()
+        if not path.is_file():
+            raise WeightsUnavailable(f"model.weights_file={cfg.weights_file!r} does not exist; "
+                                     "fix the path or set it to null")
+        # timm's own path: its loader adapts in_chans and drops a head of another class count.
+        model = timm.create_model(cfg.name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **kwargs)
+        return model, InitInfo("file", str(path), file_sha256(path))
+
+    cached = _hub_file(cfg.name)
+    if cached:
+        repo, path = cached
+        with _env(HF_HUB_OFFLINE="1"):
+            model = timm.create_model(cfg.name, pretrained=True, **kwargs)
+        return model, InitInfo("hub-cache", repo, file_sha256(path))
+    attempts.append("no copy in the local Hugging Face cache")
+
+    if hub_reachable():
+        try:
+            with _env(HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="30"):
+                model = timm.create_model(cfg.name, pretrained=True, **kwargs)
+            found = _hub_file(cfg.name)
+            return model, InitInfo("hub", found[0] if found else cfg.name, file_sha256(found[1]) if found else None)
+        except Exception as exc:  # any hub/network failure: fall through to the remedy below
+            attempts.append(f"hub download failed: {exc.__class__.__name__}: {exc}")
+    else:
+        attempts.append(f"{HUB_HOST} is not reachable")
+
+    reason = "; ".join(attempts)
+    if cfg.pretrained == "true":
+        raise WeightsUnavailable(
+            f"model.pretrained=true but no weights for {cfg.name!r}: {reason}. Remedy: download them on a "
+            f"connected machine (timm.create_model({cfg.name!r}, pretrained=True) fills the cache), copy the "
+            f"file here and set model.weights_file, or set model.pretrained: auto|false."
+        )
+    warnings.warn(f"model.pretrained=auto: NO pretrained weights for {cfg.name!r} ({reason}); "
+                  "training from RANDOM initialisation", stacklevel=2)
+    log.warning("training %s from random init (%s)", cfg.name, reason)
+    return timm.create_model(cfg.name, pretrained=False, **kwargs), InitInfo("random", None, None)
+
+
+def model_mean_std(model: torch.nn.Module, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Normalisation the model's pretrained config expects, folded to `channels`."""
+    cfg = getattr(model, "pretrained_cfg", {}) or {}
+    mean = tuple(cfg.get("mean", (0.485, 0.456, 0.406)))
+    std = tuple(cfg.get("std", (0.229, 0.224, 0.225)))
+    if channels != len(mean):
+        mean = (sum(mean) / len(mean),) * channels
+        std = (sum(std) / len(std),) * channels
+    return mean, std

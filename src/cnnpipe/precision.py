@@ -1,0 +1,44 @@
+"""Mixed precision as one autocast context and one optional GradScaler."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+
+
+def resolve_amp(amp: str, device: torch.device) -> str:
+    """`auto` → bf16 where it is fast (CPUs with AVX512-BF16/AMX, Ampere+ GPUs), fp16 on older GPUs."""
+    if amp != "auto":
+        if amp == "fp16" and device.type == "cpu":
+            # CPU fp16 autocast exists but is slow on most CPUs; allowed, since the user asked for it.
+            return "fp16"
+        return amp
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if cpu_has_fast_bf16() else "off"
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (oneDNN then runs bf16 convs fast)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+
+
+def autocast(amp: str, device: torch.device) -> ContextManager:
+    """The autocast context for `amp` (off → a null context)."""
+    if amp == "off":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """A GradScaler for fp16 only: bf16 has fp32's range and needs no loss scaling."""
+    if amp != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type)

@@ -1,0 +1,271 @@
+"""`fit`: wires config, data, model, optimizer, schedule and checkpoints into a training run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from timm.optim import create_optimizer_v2
+from timm.utils import ModelEmaV3
+from torch.nn.parallel import DistributedDataParallel
+
+from . import checkpoint as ckpt
+from .config import RunConfig
+from .data.loaders import AugmentConfig, FastTransform, build_eval_loader, build_train_loader
+from .data.store import open_split
+from .distributed import DistInfo, all_reduce_max, all_reduce_sum, unwrap
+from .engine import StepContext, evaluate_top1, train_one_epoch
+from .models import create_model, model_mean_std
+from .monitor import GpuUtilSampler, peak_mem_mb
+from .precision import grad_scaler, resolve_amp
+from .schedule import lr_at, scaled_lr
+
+
+def seed_everything(seed: int, rank: int = 0) -> None:
+    """Same seed everywhere; ranks differ so their augmentations differ."""
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+
+
+def set_threads(cfg: RunConfig, info: DistInfo) -> int:
+    """Intra-op threads: `train.threads`, else the cores shared evenly by the local processes."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // max(1, local))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def build_model(cfg: RunConfig, num_classes: int, channels: int, device: torch.device):
+    """Model on `device` in the configured memory format, with its init record."""
+    model, init = create_model(cfg.model, num_classes, channels)
+    model.to(device)
+    if cfg.train.channels_last:
+        model.to(memory_format=torch.channels_last)
+    return model, init
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """timm's optimizer factory: no weight decay on norms and biases."""
+    t = cfg.train
+    name = "adamw" if t.optimizer == "adamw" else ("sgd" if t.nesterov else "momentum")
+    kwargs = {"momentum": t.momentum} if t.optimizer == "sgd" else {}
+    return create_optimizer_v2(model, opt=name, lr=t.lr, weight_decay=t.weight_decay, **kwargs)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class _Live:
+    """dvclive on rank 0 only; a no-op elsewhere."""
+
+    def __init__(self, directory: Path | None, resume: bool) -> None:
+        self.live = None
+        if directory is not None:
+            from dvclive import Live
+
+            self.live = Live(str(directory), resume=resume, save_dvc_exp=False, dvcyaml=None, report=None)
+
+    def log(self, epoch: int, values: dict[str, float]) -> None:
+        if self.live is None:
+            return
+        self.live.step = epoch
+        for key, value in values.items():
+            self.live.log_metric(key, value)
+        self.live.next_step()
+
+    def end(self) -> None:
+        if self.live is not None:
+            self.live.end()
+
+
+def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, metrics_path: Path,
+        live_dir: Path) -> dict[str, Any] | None:
+    """Train `cfg.variant`; resume from `model_dir/last.pt` when it was made under the same params."""
+    t_start = time.perf_counter()
+    seed_everything(cfg.seed, info.rank)
+    threads = set_threads(cfg, info)
+    t = cfg.train
+    train_split = open_split(prepared_dir, "train")
+    val_split = open_split(prepared_dir, "val")
+    device = info.device
+    model, init = build_model(cfg, train_split.num_classes, train_split.channels, device)
+    mean, std = model_mean_std(model, train_split.channels)
+    amp = resolve_amp(t.amp, device)
+    optimizer = build_optimizer(model, cfg)
+    scaler = grad_scaler(amp, device)
+    ema = ModelEmaV3(model, decay=t.ema_decay) if t.ema_decay else None
+    aug = AugmentConfig(cfg.data.image_size, scale=(t.crop_scale_min, 1.0), hflip=t.hflip)
+    train_loader = build_train_loader(
+        train_split, kind=t.loader, batch_size=t.batch_size, aug=aug, mean=mean, std=std, seed=cfg.seed,
+        rank=info.rank, world_size=info.world_size, num_workers=t.num_workers, pin_memory=t.pin_memory,
+        channels_last=t.channels_last)
+    val_loader = build_eval_loader(val_split, batch_size=max(t.batch_size, 256), rank=info.rank,
+                                   world_size=info.world_size)
+    val_transform = FastTransform(aug, mean, std, train=False, channels_last=t.channels_last, seed=cfg.seed)
+
+    global_batch = t.batch_size * info.world_size
+    peak_lr = scaled_lr(t.lr, global_batch)
+    steps_per_epoch = len(train_loader)
+    total_steps = steps_per_epoch * t.epochs
+    warmup_steps = int(round(t.warmup_epochs * steps_per_epoch)) if t.schedule == "cosine" else 0
+
+    def lr_for_step(step: int) -> float:
+        return lr_at(step, total_steps=total_steps, peak_lr=peak_lr, warmup_steps=warmup_steps,
+                     kind=t.schedule, min_lr_ratio=t.min_lr_ratio)
+
+    # ---- resume
+    fp = ckpt.fingerprint(cfg)
+    last_path, best_path = model_dir / "last.pt", model_dir / "best.pt"
+    start_epoch, history, best_top1, resumed_from = 0, [], -1.0, None
+    if last_path.exists():
+        state = ckpt.load(last_path)
+        if state.get("fingerprint") != fp:
+            if info.is_primary:
+                print(f"train[{cfg.variant}]: NOT resuming {last_path}: it was made under different params "
+                      f"({state.get('fingerprint')} != {fp}); starting from scratch", file=sys.stderr)
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            if scaler is not None and state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            if ema is not None and state.get("ema"):
+                ema.load_state_dict(state["ema"])
+            ckpt.set_rng_state(state["rng"][info.rank] if info.rank < len(state["rng"]) else state["rng"][0])
+            if state.get("augment_rng") and hasattr(train_loader.device_transform, "load_state"):
+                train_loader.device_transform.load_state(state["augment_rng"])
+            start_epoch, history = state["epoch"], state["history"]
+            best_top1 = state.get("best_top1", -1.0)
+            init = type(init)(**state["init"])
+            resumed_from = start_epoch
+            if info.is_primary:
+                print(f"train[{cfg.variant}]: resuming from {last_path} after epoch {start_epoch}/{t.epochs}")
+
+    # ---- wrap
+    train_model: torch.nn.Module = model
+    if info.distributed:
+        train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if t.compile != "off":
+        train_model = torch.compile(train_model, mode=None if t.compile == "default" else t.compile)
+    ctx = StepContext(train_model, optimizer, device, amp, t.label_smoothing, scaler, t.grad_clip,
+                      lr_for_step, ema)
+    live = _Live(live_dir if info.is_primary else None, resume=resumed_from is not None and resumed_from > 0)
+    gpu = GpuUtilSampler(device)
+
+    if info.is_primary:
+        print(f"train[{cfg.variant}]: {cfg.model.name} init={init.source} device={device} x{info.world_size} "
+              f"amp={amp} channels_last={t.channels_last} compile={t.compile} loader={t.loader} "
+              f"batch={global_batch} peak_lr={peak_lr:.4g} steps/epoch={steps_per_epoch} threads={threads}",
+              flush=True)
+    for epoch in range(start_epoch, t.epochs):
+        train_loader.set_epoch(epoch)
+        stats = train_one_epoch(ctx, train_loader, train_loader.device_transform, epoch * steps_per_epoch)
+        val = evaluate_top1(unwrap(model), val_loader, val_transform, info, amp)
+        record = _epoch_record(epoch, stats, val, info)
+        if ema is not None:
+            record["val_top1_ema"] = evaluate_top1(ema.module, val_loader, val_transform, info, amp)["top1"]
+        history.append(record)
+        improved = record["val_top1"] > best_top1
+        best_top1 = max(best_top1, record["val_top1"])
+        if info.is_primary:
+            live.log(epoch, {"train/loss": record["train_loss"], "val/top1": record["val_top1"],
+                             "val/loss": record["val_loss"], "lr": record["lr"],
+                             "epoch_time_s": record["epoch_time_s"], "throughput_img_s": record["throughput_img_s"],
+                             "data_wait_frac": record["data_wait_frac"]})
+            state = {
+                "fingerprint": fp, "epoch": epoch + 1, "history": history, "best_top1": best_top1,
+                "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "ema": ema.state_dict() if ema is not None else None,
+                "rng": [ckpt.rng_state()],
+                "augment_rng": getattr(train_loader.device_transform, "state", dict)(),
+                "init": init.to_dict(), "meta": _model_meta(cfg, train_split, mean, std, amp),
+            }
+            if (epoch + 1) % t.checkpoint_every == 0 or epoch + 1 == t.epochs:
+                ckpt.save_atomic(state, last_path)
+            if improved:
+                ckpt.save_atomic({k: state[k] for k in ("model", "ema", "meta", "init", "epoch", "fingerprint")},
+                                 best_path)
+            print(f"train[{cfg.variant}] epoch {epoch + 1}/{t.epochs} loss={record['train_loss']:.4f} "
+                  f"val_top1={record['val_top1']:.4f} time={record['epoch_time_s']:.1f}s "
+                  f"{record['throughput_img_s']:.0f} img/s data_wait={record['data_wait_frac']:.1%}", flush=True)
+    gpu_util = gpu.stop()
+    live.end()
+    if not info.is_primary:
+        return None
+    summary = _summary(cfg, history, init, info, amp, global_batch, peak_lr, threads, resumed_from, gpu_util,
+                       time.perf_counter() - t_start)
+    _write_json(metrics_path, summary)
+    (model_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    return summary
+
+
+def _model_meta(cfg: RunConfig, split, mean, std, amp: str) -> dict[str, Any]:
+    """What evaluate/predict need to rebuild the model and its input transform."""
+    return {"model_name": cfg.model.name, "num_classes": split.num_classes, "in_chans": split.channels,
+            "classes": split.classes, "mean": list(mean), "std": list(std), "image_size": cfg.data.image_size,
+            "amp": amp, "channels_last": cfg.train.channels_last}
+
+
+def _epoch_record(epoch: int, stats, val: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """Per-epoch numbers reduced over ranks: images summed, time the slowest rank's."""
+    images, loss_sum, wait = all_reduce_sum([stats.images, stats.loss * stats.images, stats.data_wait_s], info)
+    (time_s,) = all_reduce_max([stats.time_s], info)
+    return {
+        "epoch": epoch + 1,
+        "train_loss": loss_sum / max(images, 1),
+        "val_top1": val["top1"],
+        "val_top5": val["top5"],
+        "val_loss": val["loss"],
+        "lr": stats.lr_last,
+        "epoch_time_s": time_s,
+        "throughput_img_s": images / time_s if time_s else 0.0,
+        "data_wait_frac": (wait / info.world_size) / time_s if time_s else 0.0,
+        "step_time_median_s": statistics.median(stats.step_times) if stats.step_times else 0.0,
+    }
+
+
+def _summary(cfg: RunConfig, history: list[dict], init, info: DistInfo, amp: str, global_batch: int,
+             peak_lr: float, threads: int, resumed_from: int | None, gpu_util: float | None,
+             wall_s: float) -> dict[str, Any]:
+    epoch_times = [h["epoch_time_s"] for h in history]
+    last = history[-1]
+    return {
+        "variant": cfg.variant,
+        "epochs": len(history),
+        "epoch_time_s": statistics.median(epoch_times),
+        "train_time_s": sum(epoch_times),
+        "throughput_img_s": statistics.median(h["throughput_img_s"] for h in history),
+        "data_wait_frac": statistics.median(h["data_wait_frac"] for h in history),
+        "peak_mem_mb": peak_mem_mb(info.device),
+        "gpu_util": gpu_util,
+        "device": str(info.device.type),
+        "world_size": info.world_size,
+        "threads_per_process": threads,
+        "init": init.source if init.source == "random" else f"{init.source}:{init.location}",
+        "init_sha256": init.sha256,
+        "amp": amp,
+        "channels_last": cfg.train.channels_last,
+        "compile": cfg.train.compile,
+        "loader": cfg.train.loader,
+        "global_batch": global_batch,
+        "peak_lr": peak_lr,
+        "final_train_loss": last["train_loss"],
+        "final_val_top1": last["val_top1"],
+        "best_val_top1": max(h["val_top1"] for h in history),
+        "resumed_from_epoch": resumed_from,
+        "wall_time_s": wall_s,
+        "history": history,
+    }

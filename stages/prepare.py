@@ -1,0 +1,29 @@
+"""prepare stage: raw images → data/prepared (pre-resized, split) + metrics/data_report.json."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from cnnpipe.config import ParamsError, data_config, load_params
+from cnnpipe.data.idx import DatasetMissing
+from cnnpipe.data.prepare import DataError, prepare
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--out", default="data/prepared", help="prepared data directory")
+    parser.add_argument("--report", default="metrics/data_report.json")
+    args = parser.parse_args()
+    try:
+        raw = load_params(args.params)
+        report = prepare(data_config(raw), raw.get("seed", 0), Path(args.out), Path(args.report))
+    except (ParamsError, DataError, DatasetMissing) as exc:
+        print(f"prepare: {exc}", file=sys.stderr)
+        return 2
+    print(f"prepare: {report['splits']} ({report['num_bad']} bad files, {len(report['leakage'])} leaked duplicates)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""train stage: fine-tune one variant; relaunches itself under torchrun when train.nproc > 1.
+
+Params are read from params.yaml directly (not dvc.api.params_show, which takes DVC's lock and
+fails under torchrun).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from cnnpipe.checkpoint import UnsafeCheckpoint
+from cnnpipe.config import ParamsError, load_params, resolve
+from cnnpipe.distributed import cleanup, init_distributed
+from cnnpipe.engine import NonFiniteLoss
+from cnnpipe.launch import needs_torchrun, relaunch
+from cnnpipe.models import WeightsUnavailable
+from cnnpipe.trainer import fit
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("variant")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--data", default="data/prepared")
+    parser.add_argument("--models", default="models", help="checkpoints go to <models>/<variant>/")
+    parser.add_argument("--metrics", default="metrics", help="train.json goes to <metrics>/<variant>/")
+    args = parser.parse_args()
+    try:
+        cfg = resolve(load_params(args.params), args.variant)
+    except ParamsError as exc:
+        print(f"train: {exc}", file=sys.stderr)
+        return 2
+    if needs_torchrun(cfg.train):
+        return relaunch(cfg.train, __file__, sys.argv[1:], run_id=f"cnnpipe-{args.variant}")
+    info = init_distributed(cfg.train.device)
+    try:
+        fit(cfg, info, Path(args.data), Path(args.models) / args.variant,
+            Path(args.metrics) / args.variant / "train.json", Path(args.metrics) / args.variant / "live")
+    except (WeightsUnavailable, NonFiniteLoss, UnsafeCheckpoint, ValueError, FileNotFoundError) as exc:
+        print(f"train[{args.variant}]: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
