@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh Debian/Ubuntu machine with Python 3.11:
+#   .venv with the project installed (pip install -e .[test]), and the Fashion-MNIST IDX files.
+# A second run re-installs nothing: the install is keyed on a hash of pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 11))'; then
+  echo "setup: need Python >= 3.11 (found $("$PYTHON" --version 2>&1)); set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv || {
+    echo "setup: 'python -m venv' failed; on Debian/Ubuntu: apt-get install -y python3-venv" >&2; exit 1; }
+fi
+
+stamp=.venv/.cnnpipe-install
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing cnnpipe and its pinned dependencies into .venv (torch is large: a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[test]'
+  echo "$want" > "$stamp"
+fi
+
+# Fashion-MNIST: the Debian package, or a copy under data/raw/fashion-mnist/.
+have_fmnist() {
+  for d in data/raw/fashion-mnist /usr/share/datasets/fashion-mnist; do
+    ls "$d"/t10k-labels-idx1-ubyte* >/dev/null 2>&1 && return 0
+  done
+  return 1
+}
+if ! have_fmnist; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing the Debian package dataset-fashion-mnist"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  elif command -v sudo >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  fi
+fi
+have_fmnist || echo "setup: WARNING: Fashion-MNIST not found; 'apt-get install dataset-fashion-mnist' or copy the \
+four IDX files to data/raw/fashion-mnist/ (only needed when data.source is fashion-mnist)" >&2
+
+# DVC needs a git repository (a tarball of the project has none).
+if [ ! -d .git ]; then git init -q && git add -A && git -c user.name=cnnpipe -c user.email=cnnpipe@localhost commit -qm init; fi

@@ -1,0 +1,125 @@
+"""Bottleneck rules as pure functions of measured facts.
+
+Each rule looks at numbers from an un-profiled timed run and returns a recommendation carrying
+the evidence that triggered it. Thresholds follow the usual practice (PyTorch's performance
+tuning guide, the TensorBoard profiler plugin's advice) and are tested at their edges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+BOTTLENECKS = ("input", "compute", "host_sync", "small_batch", "memory", "communication")
+
+INPUT_WAIT_FRAC = 0.05
+COMM_FRAC = 0.10
+SYNC_FRAC = 0.05
+MEMORY_FRAC = 0.90
+LOW_UTIL = 0.50
+BATCH_GAIN = 1.15  # throughput at 2x batch / at 1x batch above which the batch is "small"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the profile measured for one variant."""
+
+    fractions: dict[str, float]  # region → fraction of step time (sums to 1)
+    device: str = "cpu"
+    amp: str = "off"
+    channels_last: bool = False
+    loader: str = "fast"
+    num_workers: int = 0
+    batch_size: int = 64
+    utilization: float | None = None  # GPU busy fraction, or CPU utilisation of the cores we use
+    memory_frac: float | None = None  # peak memory / device memory
+    batch_gain: float | None = None  # throughput(2x batch) / throughput(batch), when measured
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One suggested change, why, and what it should gain."""
+
+    bottleneck: str
+    action: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    expected_gain: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _input(f: Facts) -> Recommendation | None:
+    wait = f.fractions.get("data_wait", 0.0)
+    if wait <= INPUT_WAIT_FRAC:
+        return None
+    if f.loader == "baseline":
+        action = "switch to the fast batched loader (train.loader: fast)"
+    else:
+        action = f"raise train.num_workers (now {f.num_workers}) and enable pin_memory"
+    return Recommendation("input", action, {"data_wait_frac": round(wait, 4), "threshold": INPUT_WAIT_FRAC},
+                          f"up to {1 / (1 - wait):.2f}x step time if the wait is hidden")
+
+
+def _communication(f: Facts) -> Recommendation | None:
+    comm = f.fractions.get("communication", 0.0)
+    if comm <= COMM_FRAC:
+        return None
+    return Recommendation("communication", "accumulate gradients or raise the per-process batch / DDP bucket size",
+                          {"communication_frac": round(comm, 4), "threshold": COMM_FRAC},
+                          f"up to {1 / (1 - comm):.2f}x if communication overlaps compute")
+
+
+def _host_sync(f: Facts) -> Recommendation | None:
+    sync = f.fractions.get("sync", 0.0)
+    if sync <= SYNC_FRAC:
+        return None
+    return Recommendation("host_sync", "remove per-step .item()/.cpu() calls; log accumulated tensors every N steps",
+                          {"sync_frac": round(sync, 4), "threshold": SYNC_FRAC},
+                          f"up to {1 / (1 - sync):.2f}x")
+
+
+def _memory(f: Facts) -> Recommendation | None:
+    if f.memory_frac is None or f.memory_frac <= MEMORY_FRAC:
+        return None
+    action = "enable AMP (train.amp: bf16)" if f.amp == "off" else "enable activation checkpointing or lower the batch"
+    return Recommendation("memory", action, {"memory_frac": round(f.memory_frac, 4), "threshold": MEMORY_FRAC},
+                          "headroom to avoid OOM and allocator thrashing")
+
+
+def _small_batch(f: Facts) -> Recommendation | None:
+    low_util = f.utilization is not None and f.utilization < LOW_UTIL
+    gains = f.batch_gain is not None and f.batch_gain > BATCH_GAIN
+    if not (low_util or gains):
+        return None
+    evidence: dict[str, Any] = {"batch_size": f.batch_size}
+    if f.utilization is not None:
+        evidence["utilization"] = round(f.utilization, 4)
+    if f.batch_gain is not None:
+        evidence["throughput_gain_at_2x_batch"] = round(f.batch_gain, 3)
+    return Recommendation("small_batch", f"raise train.batch_size (now {f.batch_size}) and scale the LR with it",
+                          evidence, f"{f.batch_gain:.2f}x measured at 2x batch" if f.batch_gain else "")
+
+
+def _compute(f: Facts) -> list[Recommendation]:
+    """Compute-bound advice: cheaper math first (AMP), then memory layout."""
+    recs = []
+    compute = sum(f.fractions.get(k, 0.0) for k in ("forward", "backward", "optimizer"))
+    if f.amp == "off":
+        recs.append(Recommendation("compute", "enable mixed precision (train.amp: bf16, or fp16 on older GPUs)",
+                                   {"compute_frac": round(compute, 4), "amp": f.amp},
+                                   "matrix work on bf16 units / Tensor Cores"))
+    if not f.channels_last:
+        recs.append(Recommendation("compute", "use channels_last memory format (train.channels_last: true)",
+                                   {"compute_frac": round(compute, 4), "channels_last": False},
+                                   "faster convolutions in oneDNN/cuDNN"))
+    return recs
+
+
+def diagnose(f: Facts) -> tuple[str, list[Recommendation]]:
+    """The dominant bottleneck label and every recommendation that fired, most urgent first."""
+    ordered = [_input(f), _communication(f), _host_sync(f), _memory(f), _small_batch(f)]
+    recs = [r for r in ordered if r is not None]
+    compute_recs = _compute(f)
+    label = recs[0].bottleneck if recs else "compute"
+    return label, recs + compute_recs

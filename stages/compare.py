@@ -1,0 +1,29 @@
+"""compare stage: metrics/compare.json and metrics/compare.md (baseline vs optimized)."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cnnpipe.compare import compare, load_variant, to_markdown
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--metrics", default="metrics")
+    args = parser.parse_args()
+    metrics = Path(args.metrics)
+    try:
+        result = compare(load_variant(metrics, "baseline"), load_variant(metrics, "optimized"))
+    except FileNotFoundError as exc:
+        print(f"compare: {exc}", file=sys.stderr)
+        return 2
+    (metrics / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    markdown = to_markdown(result)
+    (metrics / "compare.md").write_text(markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

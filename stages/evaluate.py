@@ -1,0 +1,34 @@
+"""evaluate stage: test-set accuracy, per-class report, confusion, calibration, speed, memory."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from cnnpipe.checkpoint import UnsafeCheckpoint
+from cnnpipe.config import ParamsError, load_params, resolve
+from cnnpipe.distributed import resolve_device
+from cnnpipe.evaluation import evaluate
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("variant")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--data", default="data/prepared")
+    parser.add_argument("--models", default="models")
+    parser.add_argument("--metrics", default="metrics")
+    args = parser.parse_args()
+    try:
+        cfg = resolve(load_params(args.params), args.variant)
+        result = evaluate(Path(args.models) / args.variant, Path(args.data), Path(args.metrics) / args.variant,
+                          resolve_device(cfg.train.device))
+    except (ParamsError, UnsafeCheckpoint, FileNotFoundError) as exc:
+        print(f"evaluate[{args.variant}]: {exc}", file=sys.stderr)
+        return 2
+    print(f"evaluate[{args.variant}]: top1={result['top1']:.4f} top5={result['top5']:.4f} "
+          f"ece={result['ece']:.4f} on {result['images']} test images")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
