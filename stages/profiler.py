@@ -37,8 +37,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     tuned = result.pop("tuned")
     (out / f"{args.variant}.json").write_text(json.dumps(result, indent=2) + "\n")
-    if tuned is not None:
-        (out / f"{args.variant}_tuned.yaml").write_text(yaml.safe_dump(tuned, sort_keys=True))
+    # Only the knobs the variant leaves at `auto`: explicit recipes get an empty, stable file.
+    (out / f"{args.variant}_tuned.yaml").write_text(yaml.safe_dump(tuned, sort_keys=True))
     shares = ", ".join(f"{k} {v:.0%}" for k, v in result["fractions"].items() if v >= 0.01)
     print(f"profile[{args.variant}]: {result['step_time_median_s'] * 1000:.0f} ms/step, "
           f"{result['throughput_img_s']:.0f} img/s; {shares}; bottleneck: {result['bottleneck']}")
@@ -46,6 +46,8 @@ def main() -> int:
         print(f"  - {rec['action']}  (evidence: {rec['evidence']})")
     for trial in result["trials"]:
         print(f"  trial {trial['knob']} -> {trial['change']}: {trial['speedup_vs_current']:.2f}x")
+    if tuned:
+        print(f"  tuned (for the `auto` params): {tuned}")
     return 0
 
 

@@ -15,6 +15,7 @@ from cnnpipe.engine import NonFiniteLoss
 from cnnpipe.launch import needs_torchrun, relaunch
 from cnnpipe.models import WeightsUnavailable
 from cnnpipe.trainer import fit
+from cnnpipe.tuning import read_tuned
 
 
 def main() -> int:
@@ -24,6 +25,7 @@ def main() -> int:
     parser.add_argument("--data", default="data/prepared")
     parser.add_argument("--models", default="models", help="checkpoints go to <models>/<variant>/")
     parser.add_argument("--metrics", default="metrics", help="train.json goes to <metrics>/<variant>/")
+    parser.add_argument("--tuned", default=None, help="the profile's <variant>_tuned.yaml (values for `auto`)")
     args = parser.parse_args()
     try:
         cfg = resolve(load_params(args.params), args.variant)
@@ -35,7 +37,8 @@ def main() -> int:
     info = init_distributed(cfg.train.device)
     try:
         fit(cfg, info, Path(args.data), Path(args.models) / args.variant,
-            Path(args.metrics) / args.variant / "train.json", Path(args.metrics) / args.variant / "live")
+            Path(args.metrics) / args.variant / "train.json", Path(args.metrics) / args.variant / "live",
+            tuned=read_tuned(Path(args.tuned)) if args.tuned else None)
     except (WeightsUnavailable, NonFiniteLoss, UnsafeCheckpoint, ValueError, FileNotFoundError) as exc:
         print(f"train[{args.variant}]: {exc}", file=sys.stderr)
         return 2

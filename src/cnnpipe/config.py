@@ -122,11 +122,14 @@ class TrainConfig:
     """Max global grad norm; null disables clipping."""
     amp: Literal["off", "bf16", "fp16", "auto"] = "auto"
     """Autocast dtype; `auto` is bf16 where the hardware supports it fast, else fp16 on CUDA."""
-    channels_last: bool = True
+    channels_last: bool | Literal["auto"] = "auto"
+    """NHWC activations; `auto` takes the profile's measured winner (default true)."""
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
-    loader: Literal["baseline", "fast"] = "fast"
-    """`baseline`: per-sample PIL + torchvision transforms; `fast`: batched tensor augmentation."""
-    num_workers: int = 0
+    loader: Literal["baseline", "fast", "auto"] = "auto"
+    """`baseline`: per-sample PIL + torchvision transforms; `fast`: batched tensor augmentation;
+    `auto`: the profile's measured winner (default fast)."""
+    num_workers: int | Literal["auto"] = 0
+    """Loader worker processes; `auto` takes the profile's measured winner (default 0)."""
     pin_memory: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc: int = 1
@@ -147,7 +150,7 @@ class TrainConfig:
         for key, low in ints.items():
             if getattr(self, key) < low:
                 _fail(f"train.{key}", getattr(self, key), f"an integer >= {low}")
-        if self.num_workers < 0:
+        if self.num_workers != "auto" and self.num_workers < 0:
             _fail("train.num_workers", self.num_workers, "an integer >= 0")
         if not 0.0 < self.lr <= 10.0:
             _fail("train.lr", self.lr, "a float in (0, 10]")
@@ -231,8 +234,13 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         args = get_args(hint)
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return _check_type(key, value, inner[0])
+        errors = []
+        for inner in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(key, value, inner)
+            except ParamsError as exc:
+                errors.append(str(exc).split("allowed: ", 1)[1])
+        _fail(key, value, " or ".join(errors) + (" or null" if type(None) in args else ""))
     if hint is bool:
         if not isinstance(value, bool):
             _fail(key, value, "true | false")
@@ -264,7 +272,14 @@ def build_section(cls: type, raw: Any, prefix: str) -> Any:
     if unknown:
         _fail(f"{prefix}.{unknown[0]}", raw[unknown[0]], f"one of the known keys: {', '.join(sorted(names))}")
     values = {k: _check_type(f"{prefix}.{k}", v, hints[k]) for k, v in raw.items()}
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ParamsError as exc:
+        # Range checks name the bare section (`train.lr`); inside a variant, name the full key.
+        section = prefix.rsplit(".", 1)[-1]
+        if prefix == section:
+            raise
+        raise ParamsError(str(exc).replace(f"`{section}.", f"`{prefix}.")) from None
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

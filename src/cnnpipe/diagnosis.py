@@ -44,6 +44,8 @@ class Recommendation:
     action: str
     evidence: dict[str, Any] = field(default_factory=dict)
     expected_gain: str = ""
+    knob: str | None = None
+    """The train.* key a trial can measure for this recommendation."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,11 +56,11 @@ def _input(f: Facts) -> Recommendation | None:
     if wait <= INPUT_WAIT_FRAC:
         return None
     if f.loader == "baseline":
-        action = "switch to the fast batched loader (train.loader: fast)"
+        action, knob = "switch to the fast batched loader (train.loader: fast)", "loader"
     else:
-        action = f"raise train.num_workers (now {f.num_workers}) and enable pin_memory"
+        action, knob = f"raise train.num_workers (now {f.num_workers}) and enable pin_memory", "num_workers"
     return Recommendation("input", action, {"data_wait_frac": round(wait, 4), "threshold": INPUT_WAIT_FRAC},
-                          f"up to {1 / (1 - wait):.2f}x step time if the wait is hidden")
+                          f"up to {1 / (1 - wait):.2f}x step time if the wait is hidden", knob)
 
 
 def _communication(f: Facts) -> Recommendation | None:
@@ -84,7 +86,7 @@ def _memory(f: Facts) -> Recommendation | None:
         return None
     action = "enable AMP (train.amp: bf16)" if f.amp == "off" else "enable activation checkpointing or lower the batch"
     return Recommendation("memory", action, {"memory_frac": round(f.memory_frac, 4), "threshold": MEMORY_FRAC},
-                          "headroom to avoid OOM and allocator thrashing")
+                          "headroom to avoid OOM and allocator thrashing", "amp" if f.amp == "off" else None)
 
 
 def _small_batch(f: Facts) -> Recommendation | None:
@@ -98,7 +100,7 @@ def _small_batch(f: Facts) -> Recommendation | None:
     if f.batch_gain is not None:
         evidence["throughput_gain_at_2x_batch"] = round(f.batch_gain, 3)
     return Recommendation("small_batch", f"raise train.batch_size (now {f.batch_size}) and scale the LR with it",
-                          evidence, f"{f.batch_gain:.2f}x measured at 2x batch" if f.batch_gain else "")
+                          evidence, f"{f.batch_gain:.2f}x measured at 2x batch" if f.batch_gain else "", "batch_size")
 
 
 def _compute(f: Facts) -> list[Recommendation]:
@@ -108,11 +110,11 @@ def _compute(f: Facts) -> list[Recommendation]:
     if f.amp == "off":
         recs.append(Recommendation("compute", "enable mixed precision (train.amp: bf16, or fp16 on older GPUs)",
                                    {"compute_frac": round(compute, 4), "amp": f.amp},
-                                   "matrix work on bf16 units / Tensor Cores"))
+                                   "matrix work on bf16 units / Tensor Cores", "amp"))
     if not f.channels_last:
         recs.append(Recommendation("compute", "use channels_last memory format (train.channels_last: true)",
                                    {"compute_frac": round(compute, 4), "channels_last": False},
-                                   "faster convolutions in oneDNN/cuDNN"))
+                                   "faster convolutions in oneDNN/cuDNN", "channels_last"))
     return recs
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import resource
 import statistics
 import time
@@ -29,6 +30,7 @@ from .models import model_mean_std
 from .monitor import peak_mem_mb
 from .precision import autocast, grad_scaler, resolve_amp
 from .trainer import build_model, build_optimizer
+from .tuning import auto_knobs, resolve_auto
 
 REGIONS = ("data_wait", "copy", "augment", "forward", "backward", "optimizer", "sync")
 
@@ -83,6 +85,7 @@ class Setup:
 
 def build_setup(cfg: RunConfig, info: DistInfo, prepared_dir: Path) -> Setup:
     """Model, optimizer and loader exactly as `fit` builds them."""
+    cfg = resolve_auto(cfg, info.device)
     torch.manual_seed(cfg.seed)
     split = open_split(prepared_dir, "train")
     model, _ = build_model(cfg, split.num_classes, split.channels, info.device)
@@ -92,7 +95,7 @@ def build_setup(cfg: RunConfig, info: DistInfo, prepared_dir: Path) -> Setup:
     loader = build_train_loader(split, kind=t.loader, batch_size=t.batch_size, aug=aug, mean=mean, std=std,
                                 seed=cfg.seed, rank=info.rank, world_size=info.world_size,
                                 num_workers=t.num_workers, pin_memory=t.pin_memory, channels_last=t.channels_last)
-    amp = resolve_amp(t.amp, info.device)
+    amp = resolve_amp(str(t.amp), info.device)
     lr = t.lr * t.batch_size * info.world_size / 256
     optimizer = build_optimizer(model, cfg)
     for group in optimizer.param_groups:
@@ -187,15 +190,19 @@ def _iqr(values: list[float]) -> float:
     return q[2] - q[0]
 
 
-def trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, base: dict[str, Any]) -> list[dict[str, Any]]:
+def trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, base: dict[str, Any],
+           tune_workers: bool = False) -> list[dict[str, Any]]:
     """Flip each knob of `cfg` in turn and measure it against `base` (same steps, same data)."""
     t = cfg.train
     knobs: list[tuple[str, dict[str, Any]]] = [
-        ("amp", {"amp": "off" if resolve_amp(t.amp, info.device) != "off" else "auto"}),
+        ("amp", {"amp": "off" if t.amp != "off" else "bf16"}),
         ("channels_last", {"channels_last": not t.channels_last}),
         ("batch_size", {"batch_size": t.batch_size * 2}),
         ("loader", {"loader": "fast" if t.loader == "baseline" else "baseline"}),
     ]
+    if tune_workers:
+        cores = os.cpu_count() or 1
+        knobs.append(("num_workers", {"num_workers": 0 if t.num_workers else min(2, cores)}))
     results = []
     for knob, change in knobs:
         trial_cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, **change))
@@ -208,28 +215,31 @@ def trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, base: dict[str, A
     return results
 
 
-def tuned_settings(cfg: RunConfig, info: DistInfo, trial_results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The knob values that measured fastest (a trial must beat the current setting by 3%)."""
-    t = cfg.train
-    tuned: dict[str, Any] = {"amp": resolve_amp(t.amp, info.device), "channels_last": t.channels_last,
-                             "loader": t.loader}
-    for r in trial_results:
-        if r["knob"] in tuned and r["speedup_vs_current"] > 1.03:
-            value = r["change"][r["knob"]]
-            tuned[r["knob"]] = value == "True" if r["knob"] == "channels_last" else value
+def tuned_settings(requested: RunConfig, current: RunConfig, trial_results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A value for each knob `requested` leaves at `auto`: the trial's when it beat the default by 3%."""
+    tuned: dict[str, Any] = {}
+    for knob in auto_knobs(requested):
+        value = getattr(current.train, knob)
+        trial = next((r for r in trial_results if r["knob"] == knob), None)
+        if trial is not None and trial["speedup_vs_current"] > 1.03:
+            value = trial["change"][knob]
+            value = {"True": True, "False": False}.get(value, value)
+            value = int(value) if knob == "num_workers" else value
+        tuned[knob] = value
     return tuned
 
 
-def profile_variant(cfg: RunConfig, info: DistInfo, prepared_dir: Path, trace_dir: Path,
+def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, trace_dir: Path,
                     run_trials: bool) -> dict[str, Any]:
-    """Everything metrics/profile/<variant>.json holds."""
+    """Everything metrics/profile/<variant>.json holds (`tuned`: values for the `auto` knobs)."""
+    cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
     base = measure(cfg, info, prepared_dir, max(cfg.profile.active, cfg.profile.trial_steps))
     setup = base.pop("setup")
     trace_window(setup, cfg, trace_dir, worker=f"{cfg.variant}_rank{info.rank}")
     batch_gain = None
     trial_results: list[dict[str, Any]] = []
     if run_trials:
-        trial_results = trials(cfg, info, prepared_dir, base)
+        trial_results = trials(cfg, info, prepared_dir, base, tune_workers="num_workers" in auto_knobs(requested))
         batch_gain = next(r["speedup_vs_current"] for r in trial_results if r["knob"] == "batch_size")
     util = base["cpu_util"] if info.device.type == "cpu" else None
     mem_frac = None
@@ -240,6 +250,14 @@ def profile_variant(cfg: RunConfig, info: DistInfo, prepared_dir: Path, trace_di
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers,
                   batch_size=t.batch_size, utilization=util, memory_frac=mem_frac, batch_gain=batch_gain)
     label, recs = diagnose(facts)
+    rec_dicts = []
+    for rec in recs:
+        entry = rec.to_dict()
+        trial = next((r for r in trial_results if r["knob"] == rec.knob), None)
+        if trial is not None:  # the recommendation's knob was measured: before/after numbers
+            entry["measured"] = {"before_img_s": base["throughput_img_s"], "after_img_s": trial["throughput_img_s"],
+                                 "speedup": trial["speedup_vs_current"], "change": trial["change"]}
+        rec_dicts.append(entry)
     return {
         "variant": cfg.variant,
         "device": info.device.type,
@@ -255,8 +273,8 @@ def profile_variant(cfg: RunConfig, info: DistInfo, prepared_dir: Path, trace_di
         "peak_mem_mb": peak_mem_mb(info.device),
         "memory_frac": mem_frac,
         "bottleneck": label,
-        "recommendations": [r.to_dict() for r in recs],
+        "recommendations": rec_dicts,
         "trials": trial_results,
-        "tuned": tuned_settings(cfg, info, trial_results) if run_trials else None,
+        "tuned": tuned_settings(requested, cfg, trial_results),
         "trace_dir": str(trace_dir),
     }

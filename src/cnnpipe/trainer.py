@@ -27,6 +27,7 @@ from .models import create_model, model_mean_std
 from .monitor import GpuUtilSampler, peak_mem_mb
 from .precision import grad_scaler, resolve_amp
 from .schedule import lr_at, scaled_lr
+from .tuning import resolve_auto
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:
@@ -92,9 +93,13 @@ class _Live:
 
 
 def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, metrics_path: Path,
-        live_dir: Path) -> dict[str, Any] | None:
-    """Train `cfg.variant`; resume from `model_dir/last.pt` when it was made under the same params."""
+        live_dir: Path, tuned: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Train `cfg.variant`; resume from `model_dir/last.pt` when it was made under the same params.
+
+    `tuned` holds the profile's measured values for knobs the params leave at `auto`.
+    """
     t_start = time.perf_counter()
+    cfg = resolve_auto(cfg, info.device, tuned)
     seed_everything(cfg.seed, info.rank)
     threads = set_threads(cfg, info)
     t = cfg.train

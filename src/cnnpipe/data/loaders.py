@@ -60,8 +60,10 @@ class ShardSampler(Sampler[list[int]]):
         else:
             order = np.arange(self.n)
         if self.drop_last:
-            per_rank = self.n // self.world_size
-            return order[self.rank * per_rank : (self.rank + 1) * per_rank]
+            # Strided, so that step k of every rank together covers the same items that step k of a
+            # single process with the global batch would: DDP then matches one process exactly.
+            usable = (self.n // self.world_size) * self.world_size
+            return order[:usable][self.rank :: self.world_size]
         return order[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -166,7 +168,14 @@ class FastTransform:
         if not self.train:
             return eval_transform(images, self.aug.image_size, self.mean, self.std, self.memory_format == torch.channels_last)
         x = to_nchw(images).float()
-        x = random_resized_crop(x, self.aug, self._generator(x.device))
+        if self.aug.scale[0] >= 1.0:  # crop_scale_min 1.0: no crop, only resize (and flip)
+            x = F.interpolate(x, size=(self.aug.image_size,) * 2, mode="bilinear", antialias=True, align_corners=False)
+            if self.aug.hflip:
+                flip = torch.rand(x.shape[0], device=self._generator(x.device).device,
+                                  generator=self._generator(x.device)) < 0.5
+                x = torch.where(flip.to(x.device)[:, None, None, None], x.flip(-1), x)
+        else:
+            x = random_resized_crop(x, self.aug, self._generator(x.device))
         return normalize(x, self.mean, self.std).contiguous(memory_format=self.memory_format)
 
 
@@ -240,6 +249,7 @@ def build_train_loader(split: PreparedSplit, *, kind: str, batch_size: int, aug:
                        world_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
                        channels_last: bool = False, prefetch_factor: int = 2) -> TrainLoader:
     """The training loader of `kind` (`baseline` or `fast`), sharded for this rank."""
+    pin_memory = pin_memory and torch.cuda.is_available()  # pinning only helps host→GPU copies
     if len(split) // world_size < batch_size:
         raise ValueError(f"train.batch_size={batch_size} is larger than the {len(split) // world_size} training "
                          f"images per process; lower train.batch_size or add data")
@@ -263,6 +273,7 @@ def build_train_loader(split: PreparedSplit, *, kind: str, batch_size: int, aug:
 def build_eval_loader(split: PreparedSplit, *, batch_size: int, rank: int = 0, world_size: int = 1,
                       num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """Deterministic loader of uint8 batches; each item seen once across ranks."""
+    pin_memory = pin_memory and torch.cuda.is_available()
     sampler = ShardSampler(len(split), batch_size, shuffle=False, drop_last=False, rank=rank, world_size=world_size)
     return DataLoader(_UInt8Batches(split), sampler=sampler, batch_size=None, num_workers=num_workers,
                       pin_memory=pin_memory)

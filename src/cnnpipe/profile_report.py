@@ -1,0 +1,84 @@
+"""metrics/profile/report.md and breakdown.png from the per-variant profile JSON files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .profiling import REGIONS
+
+
+def load_profiles(profile_dir: Path, variants: list[str]) -> dict[str, dict[str, Any]]:
+    """The profile JSON of each variant."""
+    out = {}
+    for v in variants:
+        path = profile_dir / f"{v}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: run `dvc repro profile@{v}` first")
+        out[v] = json.loads(path.read_text())
+    return out
+
+
+def bar_chart(profiles: dict[str, dict[str, Any]], path: Path) -> None:
+    """Stacked horizontal bars: milliseconds per step spent in each region, per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.7 * len(profiles)))
+    names = list(profiles)
+    left = [0.0] * len(names)
+    for region in REGIONS:
+        widths = [profiles[n]["fractions"].get(region, 0.0) * profiles[n]["step_time_median_s"] * 1000 for n in names]
+        ax.barh(names, widths, left=left, label=region)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_xlabel("milliseconds per training step (median)")
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45 if len(names) < 3 else -0.3))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
+    """The report: breakdown table, bottleneck, recommendations with evidence, trials, how to open traces."""
+    lines = ["# Profile report", "", f"![step-time breakdown]({chart_name})", "",
+             "| Region | " + " | ".join(profiles) + " |", "| --- |" + " ---: |" * len(profiles)]
+    for region in REGIONS:
+        cells = [f"{p['fractions'].get(region, 0.0):.1%} ({p['fractions'].get(region, 0.0) * p['step_time_median_s'] * 1000:.0f} ms)"
+                 for p in profiles.values()]
+        lines.append(f"| {region} | " + " | ".join(cells) + " |")
+    lines.append("| **step (median ± IQR)** | " + " | ".join(
+        f"{p['step_time_median_s'] * 1000:.0f} ± {p['step_time_iqr_s'] * 1000:.0f} ms" for p in profiles.values()) + " |")
+    lines.append("| **throughput** | " + " | ".join(f"{p['throughput_img_s']:.0f} img/s" for p in profiles.values()) + " |")
+    for name, p in profiles.items():
+        lines += ["", f"## {name}: bottleneck `{p['bottleneck']}`", "",
+                  f"{p['device']}, {p['threads']} threads, amp={p['amp']}, batch {p['batch_size']}, "
+                  f"CPU utilisation {p['cpu_util']:.0%}, peak memory {p['peak_mem_mb']:.0f} MB.", ""]
+        for rec in p["recommendations"]:
+            measured = rec.get("measured")
+            lines.append(f"- **{rec['action']}** — evidence: `{json.dumps(rec['evidence'])}`"
+                         + (f"; expected: {rec['expected_gain']}" if rec["expected_gain"] else "")
+                         + (f"; measured: {measured['before_img_s']:.0f} → {measured['after_img_s']:.0f} img/s "
+                            f"({measured['speedup']:.2f}x)" if measured else ""))
+        if p["trials"]:
+            lines += ["", "| Trial (one knob changed) | Throughput | vs current |", "| --- | ---: | ---: |",
+                      f"| current settings | {p['throughput_img_s']:.0f} img/s | 1.00x |"]
+            for t in p["trials"]:
+                change = ", ".join(f"{k}={v}" for k, v in t["change"].items())
+                lines.append(f"| {change} | {t['throughput_img_s']:.0f} img/s | {t['speedup_vs_current']:.2f}x |")
+    lines += ["", "## Opening the traces", "",
+              "```", "tensorboard --logdir logs/profile   # PyTorch Profiler tab (torch-tb-profiler)", "```", "",
+              "Or load a `logs/profile/<variant>/*.pt.trace.json` file in https://ui.perfetto.dev.",
+              "The figures above come from an un-profiled timed run (the profiler's overhead is not in them).", ""]
+    return "\n".join(lines)
+
+
+def write_report(profile_dir: Path, variants: list[str]) -> Path:
+    """Write report.md and breakdown.png next to the profile JSON files."""
+    profiles = load_profiles(profile_dir, variants)
+    bar_chart(profiles, profile_dir / "breakdown.png")
+    path = profile_dir / "report.md"
+    path.write_text(to_markdown(profiles, "breakdown.png"))
+    return path

@@ -1,0 +1,49 @@
+"""`auto` params: resolved from the profile's measured winners, or from sensible defaults.
+
+The profile stage writes `metrics/profile/<variant>_tuned.yaml` holding a value for each knob that
+the variant's params leave at `auto` (and nothing else, so a variant with explicit settings gets an
+empty, stable file). Training reads it; without it the defaults below apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from .config import RunConfig
+from .precision import resolve_amp
+
+TUNABLE = ("amp", "channels_last", "loader", "num_workers")
+
+
+def auto_knobs(cfg: RunConfig) -> list[str]:
+    """The tunable train.* keys this variant leaves at `auto`."""
+    return [k for k in TUNABLE if getattr(cfg.train, k) == "auto"]
+
+
+def default_for(knob: str, device: torch.device) -> Any:
+    """What `auto` means when no measurement is available."""
+    return {"amp": resolve_amp("auto", device), "channels_last": True, "loader": "fast", "num_workers": 0}[knob]
+
+
+def read_tuned(path: Path | None) -> dict[str, Any]:
+    """The tuned values file (empty when absent)."""
+    if path is None or not Path(path).exists():
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of train keys to values; rerun `dvc repro profile`")
+    return data
+
+
+def resolve_auto(cfg: RunConfig, device: torch.device, tuned: dict[str, Any] | None = None) -> RunConfig:
+    """`cfg` with every `auto` knob replaced: the tuned value when given, else the default."""
+    tuned = tuned or {}
+    changes = {k: tuned.get(k, default_for(k, device)) for k in auto_knobs(cfg)}
+    if "amp" in changes:
+        changes["amp"] = resolve_amp(changes["amp"], device)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes)) if changes else cfg

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny real data sets written by the tests themselves."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """Write a uint8 array in IDX format, gzipped (as Debian ships Fashion-MNIST)."""
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as fh:
+        fh.write(header + array.astype(np.uint8).tobytes())
+
+
+def _blobs(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Images whose class is learnable: a bright square whose position depends on the label."""
+    rng = np.random.default_rng(seed)
+    labels = np.arange(n) % 10
+    rng.shuffle(labels)
+    images = rng.integers(0, 40, size=(n, 28, 28), dtype=np.uint8)
+    for i, label in enumerate(labels):
+        r, c = divmod(int(label), 5)
+        images[i, 2 + r * 12 : 10 + r * 12, 1 + c * 5 : 6 + c * 5] = 220
+    return images, labels.astype(np.uint8)
+
+
+@pytest.fixture(scope="session")
+def fake_fmnist(tmp_path_factory) -> Path:
+    """A directory with the four Fashion-MNIST IDX files (synthetic, 600 train / 200 test)."""
+    out = tmp_path_factory.mktemp("fmnist")
+    for stem, n, seed in (("train", 600, 0), ("t10k", 200, 1)):
+        images, labels = _blobs(n, seed)
+        write_idx(out / f"{stem}-images-idx3-ubyte.gz", images)
+        write_idx(out / f"{stem}-labels-idx1-ubyte.gz", labels)
+    return out
+
+
+def base_params() -> dict:
+    """The project's params.yaml as a dict."""
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def tiny_params(**train_overrides) -> dict:
+    """params.yaml shrunk for CPU tests: a tiny timm model, 2 epochs, small batches."""
+    params = base_params()
+    params["data"].update(image_size=28, stored_size=28, max_train_images=None, max_eval_images=None)
+    params["model"].update(name="test_resnet", pretrained="false")
+    params["train"].update(epochs=2, batch_size=32, lr=0.2, threads=1, **train_overrides)
+    params["profile"].update(wait=0, warmup=1, active=2, trial_steps=2)
+    params["variants"]["baseline"]["train"]["batch_size"] = 32
+    return params
+
+
+def write_params(path: Path, params: dict) -> Path:
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
+
+
+def save_image(path: Path, array: np.ndarray, mode: str | None = None, **kwargs) -> Path:
+    """Write an image file with PIL (format from the extension)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = Image.fromarray(array) if mode is None else Image.fromarray(array).convert(mode)
+    img.save(path, **kwargs)
+    return path
+
+
+def colour_image(seed: int, size: tuple[int, int] = (40, 30)) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 255, size=(size[1], size[0], 3), dtype=np.uint8)

@@ -1,0 +1,80 @@
+"""params.yaml validation: every bad value names its key, its value and what is allowed."""
+
+import pytest
+import torch
+import yaml
+
+from cnnpipe.config import ParamsError, load_params, resolve
+from cnnpipe.tuning import resolve_auto
+
+from conftest import ROOT, base_params, write_params
+
+
+def test_project_params_are_valid():
+    raw = load_params(ROOT / "params.yaml")
+    for variant in ("baseline", "optimized"):
+        cfg = resolve(raw, variant)
+        assert cfg.model.name == "resnet50"
+    base = resolve(raw, "baseline")
+    assert base.train.amp == "off" and base.train.loader == "baseline" and base.model.pretrained == "false"
+    assert base.train.schedule == "constant" and base.train.num_workers == 0 and not base.train.pin_memory
+    opt = resolve(raw, "optimized")
+    assert opt.train.schedule == "cosine" and opt.train.label_smoothing > 0
+    assert {opt.train.loader, opt.train.channels_last, opt.train.num_workers} == {"auto"}
+    resolved = resolve_auto(opt, torch.device("cpu"))
+    assert resolved.train.loader == "fast" and resolved.train.channels_last is True
+    tuned = resolve_auto(opt, torch.device("cpu"), {"channels_last": False, "num_workers": 2, "amp": "off"})
+    assert tuned.train.channels_last is False and tuned.train.num_workers == 2 and tuned.train.amp == "off"
+    assert resolve_auto(base, torch.device("cpu"), {"amp": "bf16"}) == base  # explicit values win
+    assert base.train.epochs == opt.train.epochs  # same epochs, same data
+
+
+@pytest.mark.parametrize(
+    "section, key, value, fragment",
+    [
+        ("train", "epochs", "three", "`train.epochs` = 'three'"),
+        ("train", "epochs", 0, "an integer >= 1"),
+        ("train", "lr", -1, "`train.lr`"),
+        ("train", "amp", "fp8", "off | bf16 | fp16 | auto"),
+        ("train", "num_workers", "many", "an integer or auto"),
+        ("train", "channels_last", "yes", "true | false"),
+        ("train", "bogus", 1, "`train.bogus`"),
+        ("data", "val_fraction", 0.9, "`data.val_fraction` = 0.9"),
+        ("data", "image_size", 64, "<= data.stored_size"),
+        ("data", "max_train_images", 3, "null (all) or an integer >= 10"),
+        ("model", "pretrained", "maybe", "auto | true | false"),
+        ("train", "rdzv_endpoint", "nohost", "host:port"),
+    ],
+)
+def test_bad_values_name_the_key(tmp_path, section, key, value, fragment):
+    params = base_params()
+    params[section][key] = value
+    with pytest.raises(ParamsError) as err:
+        load_params(write_params(tmp_path / "params.yaml", params))
+    assert fragment in str(err.value)
+
+
+def test_variant_override_errors_name_the_variant_key(tmp_path):
+    params = base_params()
+    params["variants"]["optimized"]["train"]["batch_size"] = -4
+    with pytest.raises(ParamsError, match=r"variants\.optimized\.train\.batch_size"):
+        load_params(write_params(tmp_path / "params.yaml", params))
+    params = base_params()
+    params["variants"]["optimized"]["data"] = {"image_size": 16}
+    with pytest.raises(ParamsError, match="only `model` and `train`"):
+        load_params(write_params(tmp_path / "params.yaml", params))
+
+
+def test_yaml_booleans_map_to_choice_strings(tmp_path):
+    path = tmp_path / "params.yaml"
+    text = yaml.safe_dump(base_params()).replace("amp: auto", "amp: off").replace("pretrained: auto", "pretrained: true")
+    path.write_text(text)
+    cfg = resolve(load_params(path), "optimized")
+    assert cfg.train.amp == "off" and cfg.model.pretrained == "true"
+
+
+def test_unknown_variant_and_missing_file(tmp_path):
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "nope.yaml")
+    with pytest.raises(ParamsError, match="variant 'fast'"):
+        resolve(base_params(), "fast")

@@ -1,0 +1,83 @@
+"""DDP through the real torchrun: 2 processes on one node, and 2 nodes on 127.0.0.1 (gloo, CPU)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cnnpipe.config import resolve
+from cnnpipe.data.prepare import prepare_fashion_mnist
+
+from conftest import ROOT, tiny_params, write_params
+
+pytestmark = pytest.mark.slow
+TRAIN = str(ROOT / "stages" / "train.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prepared(fake_fmnist, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared")
+    prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 0, out, search_dirs=(fake_fmnist,))
+    return out
+
+
+def deterministic_params(**train):
+    """A BatchNorm-free model, fp32, no random crops: 1 process and 2 must then agree."""
+    params = tiny_params(amp="off", crop_scale_min=1.0, hflip=False, epochs=1, **train)
+    params["model"]["name"] = "test_vit"
+    return params
+
+
+def train(tmp_path: Path, name: str, params: dict, prepared: Path, extra_env=None) -> subprocess.Popen:
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    param_file = write_params(out / "params.yaml", params)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
+    return subprocess.Popen([sys.executable, TRAIN, "optimized", "--params", str(param_file), "--data", str(prepared),
+                             "--models", str(out / "models"), "--metrics", str(out / "metrics")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def test_two_processes_match_one_at_the_same_global_batch(tmp_path, prepared):
+    one = finish(train(tmp_path, "one", deterministic_params(batch_size=32), prepared))
+    two = finish(train(tmp_path, "two", deterministic_params(batch_size=16, nproc=2), prepared))
+    assert "torch.distributed.run" in two and "x2" in two
+    m1 = json.loads((tmp_path / "one" / "metrics" / "optimized" / "train.json").read_text())
+    m2 = json.loads((tmp_path / "two" / "metrics" / "optimized" / "train.json").read_text())
+    assert m2["world_size"] == 2 and m2["global_batch"] == m1["global_batch"] == 32
+    assert m2["history"][0]["train_loss"] == pytest.approx(m1["history"][0]["train_loss"], rel=1e-4)
+    w1 = torch.load(tmp_path / "one" / "models" / "optimized" / "last.pt", weights_only=True)["model"]
+    w2 = torch.load(tmp_path / "two" / "models" / "optimized" / "last.pt", weights_only=True)["model"]
+    for key in w1:
+        assert torch.allclose(w1[key], w2[key], rtol=1e-3, atol=1e-5), key
+
+
+def test_two_node_rendezvous_on_loopback_writes_one_set_of_outputs(tmp_path, prepared):
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = []
+    for node in (0, 1):
+        params = deterministic_params(batch_size=16, nnodes=2, node_rank=node, rdzv_endpoint=endpoint)
+        procs.append(train(tmp_path, f"node{node}", params, prepared))
+    outputs = [finish(p) for p in procs]
+    assert "--nnodes=2" in outputs[0]
+    summary = json.loads((tmp_path / "node0" / "metrics" / "optimized" / "train.json").read_text())
+    assert summary["world_size"] == 2
+    assert not (tmp_path / "node1" / "metrics" / "optimized" / "train.json").exists()
+    assert not (tmp_path / "node1" / "models" / "optimized" / "last.pt").exists()

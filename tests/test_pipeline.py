@@ -1,0 +1,132 @@
+"""End to end: the real `dvc repro` on a copy of the project with a shrunken config."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, tiny_params, write_params
+
+pytestmark = pytest.mark.slow
+
+PROJECT_FILES = ("dvc.yaml", "stages", "src", ".dvc/config", ".dvcignore", "pyproject.toml", "data/raw/README.md")
+
+
+def run(cmd: list[str], cwd: Path) -> str:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout + proc.stderr
+
+
+def stages_run(output: str) -> list[str]:
+    return re.findall(r"Running stage '([^']+)'", output)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, fake_fmnist) -> Path:
+    """A git + DVC copy of the project whose Fashion-MNIST is the synthetic one, in data/raw."""
+    root = tmp_path_factory.mktemp("project")
+    for name in PROJECT_FILES:
+        src = ROOT / name
+        dst = root / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(src, dst)
+    shutil.copytree(fake_fmnist, root / "data" / "raw" / "fashion-mnist")  # the "copy under data/raw" route
+    params = tiny_params()
+    params["data"]["stored_size"] = 32  # resized from 28 by prepare, cropped to 28 for the model
+    write_params(root / "params.yaml", params)
+    (root / ".gitignore").write_text("/data/raw/\n")
+    run(["git", "init", "-q"], root)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], root)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], root)
+    return root
+
+
+def test_repro_produces_every_output_and_metric(project):
+    out = run(["dvc", "repro"], project)
+    assert set(stages_run(out)) == {"prepare", "profile@baseline", "profile@optimized", "profile_report",
+                                    "train@baseline", "train@optimized", "evaluate@baseline", "evaluate@optimized",
+                                    "compare"}
+    assert (project / "metrics" / "profile" / "report.md").exists()
+    assert yaml.safe_load((project / "metrics" / "profile" / "baseline_tuned.yaml").read_text()) == {}
+    tuned = yaml.safe_load((project / "metrics" / "profile" / "optimized_tuned.yaml").read_text())
+    assert set(tuned) == {"channels_last", "loader", "num_workers", "amp"}
+    for variant in ("baseline", "optimized"):
+        train = json.loads((project / "metrics" / variant / "train.json").read_text())
+        for key in ("epochs", "epoch_time_s", "throughput_img_s", "data_wait_frac", "peak_mem_mb", "device",
+                    "world_size", "init"):
+            assert key in train, (variant, key)
+        evaluation = json.loads((project / "metrics" / variant / "eval.json").read_text())
+        assert {"top1", "top5", "loss"} <= set(evaluation)
+        assert 0.0 <= evaluation["top1"] <= evaluation["top5"] <= 1.0
+        profile = json.loads((project / "metrics" / "profile" / f"{variant}.json").read_text())
+        assert sum(profile["fractions"].values()) == pytest.approx(1.0)
+        assert profile["bottleneck"] in {"input", "compute", "host_sync", "small_batch", "memory", "communication"}
+        assert list((project / "logs" / "profile" / variant).glob("*.pt.trace.json*"))
+        assert (project / "models" / variant / "best.pt").exists()
+    compare = json.loads((project / "metrics" / "compare.json").read_text())
+    assert {"speedup_throughput", "speedup_epoch_time", "top1_delta"} <= set(compare)
+    assert "| Top-1 (test) |" in (project / "metrics" / "compare.md").read_text()
+    shown = run(["dvc", "metrics", "show", "--json"], project)
+    assert "top1" in shown and "speedup_throughput" in shown
+
+
+def test_second_repro_is_a_noop(project):
+    out = run(["dvc", "repro"], project)
+    assert stages_run(out) == []
+
+
+def test_changing_optimized_params_reruns_only_optimized_stages(project):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["variants"]["optimized"]["train"]["lr"] = 0.1
+    write_params(project / "params.yaml", params)
+    diff = run(["dvc", "params", "diff"], project)
+    assert "variants.optimized.train.lr" in diff
+    out = run(["dvc", "repro"], project)
+    assert set(stages_run(out)) == {"profile@optimized", "profile_report", "train@optimized",
+                                    "evaluate@optimized", "compare"}
+
+
+def _photo_tree(root: Path, predefined: bool) -> Path:
+    """Real PNG/JPEG files of two learnable classes (red-ish vs blue-ish), a broken one among them."""
+    import numpy as np
+
+    from conftest import save_image
+
+    rng = np.random.default_rng(0)
+    splits = {"train": 24, "val": 6, "test": 6} if predefined else {"": 36}
+    for split, n in splits.items():
+        for cls, channel in (("red things", 0), ("blue things", 2)):
+            for i in range(n):
+                img = rng.integers(0, 90, size=(20 + i % 7, 26, 3), dtype=np.uint8)
+                img[..., channel] = 200
+                save_image(root / split / cls / f"img {i}.{'jpg' if i % 2 else 'png'}", img)
+    (root / ("train" if predefined else "") / "red things" / "broken.jpg").write_bytes(b"\xff\xd8 not really")
+    return root
+
+
+@pytest.mark.parametrize("predefined", [True, False])
+def test_repro_on_an_image_folder(project, tmp_path, predefined):
+    tree = _photo_tree(tmp_path / "photos", predefined)
+    params = tiny_params()
+    params["data"].update(source=str(tree), stored_size=32, image_size=28)
+    params["train"]["batch_size"] = 8
+    params["variants"]["baseline"]["train"]["batch_size"] = 8
+    write_params(project / "params.yaml", params)
+    run(["dvc", "repro"], project)
+    report = json.loads((project / "metrics" / "data_report.json").read_text())
+    assert report["num_bad"] == 1 and report["bad_files"][0]["path"].endswith("broken.jpg")
+    assert report["classes"] == ["blue things", "red things"]
+    assert report["predefined_splits"] is predefined
+    evaluation = json.loads((project / "metrics" / "optimized" / "eval.json").read_text())
+    assert evaluation["images"] == report["splits"]["test"]

@@ -1,0 +1,156 @@
+"""The training engine on the CPU with a tiny timm model and tiny synthetic data."""
+
+import json
+import math
+import os
+import time
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from cnnpipe import checkpoint as ckpt
+from cnnpipe import engine, trainer
+from cnnpipe.config import ModelConfig, load_params, resolve
+from cnnpipe.data.prepare import prepare_fashion_mnist
+from cnnpipe.distributed import DistInfo
+from cnnpipe.models import WeightsUnavailable, create_model
+from cnnpipe.schedule import lr_at
+
+from conftest import tiny_params, write_params
+
+
+@pytest.fixture(scope="module")
+def prepared(fake_fmnist, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared")
+    cfg = resolve(tiny_params(), "optimized").data
+    prepare_fashion_mnist(cfg, 0, out, search_dirs=(fake_fmnist,))
+    return out
+
+
+def run_config(tmp_path, variant="optimized", **train):
+    return resolve(load_params(write_params(tmp_path / "params.yaml", tiny_params(**train))), variant)
+
+
+def fit(cfg, prepared, out):
+    return trainer.fit(cfg, DistInfo(), prepared, out / "models", out / "train.json", out / "live")
+
+
+@pytest.mark.parametrize("variant", ["baseline", "optimized"])
+def test_fit_writes_checkpoints_and_the_metrics_contract(tmp_path, prepared, variant):
+    summary = fit(run_config(tmp_path, variant), prepared, tmp_path)
+    for key in ("epochs", "epoch_time_s", "throughput_img_s", "data_wait_frac", "peak_mem_mb", "device",
+                "world_size", "init", "gpu_util"):
+        assert key in summary
+    assert summary["epochs"] == 2 and summary["init"] == "random" and summary["world_size"] == 1
+    assert json.loads((tmp_path / "train.json").read_text())["epochs"] == 2
+    assert (tmp_path / "models" / "last.pt").exists() and (tmp_path / "models" / "best.pt").exists()
+    assert (tmp_path / "live" / "plots" / "metrics" / "val" / "top1.tsv").exists()
+    assert summary["history"][-1]["train_loss"] < summary["history"][0]["train_loss"] * 1.5
+
+
+def test_training_learns_the_synthetic_task(tmp_path, prepared):
+    summary = fit(run_config(tmp_path, epochs=4), prepared, tmp_path)
+    assert summary["best_val_top1"] > 0.5  # chance is 0.1
+
+
+def test_kill_and_resume_equals_uninterrupted(tmp_path, prepared, monkeypatch):
+    cfg = run_config(tmp_path)
+    fit(cfg, prepared, tmp_path / "straight")
+    straight = torch.load(tmp_path / "straight" / "models" / "last.pt", weights_only=True)
+
+    real = engine.train_one_epoch
+    calls = {"n": 0}
+
+    def dies_in_second_epoch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed mid-epoch")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_one_epoch", dies_in_second_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, prepared, tmp_path / "resumed")
+    assert torch.load(tmp_path / "resumed" / "models" / "last.pt", weights_only=True)["epoch"] == 1
+    monkeypatch.setattr(trainer, "train_one_epoch", real)
+    summary = fit(cfg, prepared, tmp_path / "resumed")
+    assert summary["resumed_from_epoch"] == 1 and summary["epochs"] == 2
+    resumed = torch.load(tmp_path / "resumed" / "models" / "last.pt", weights_only=True)
+    for name, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][name]), name
+
+
+def test_checkpoint_from_other_params_is_not_resumed(tmp_path, prepared, capsys):
+    fit(run_config(tmp_path, epochs=1), prepared, tmp_path)
+    summary = fit(run_config(tmp_path, epochs=1, lr=0.05), prepared, tmp_path)
+    assert summary["resumed_from_epoch"] is None
+    assert "NOT resuming" in capsys.readouterr().err
+
+
+def test_schedule_warmup_peak_and_end():
+    kw = dict(total_steps=100, peak_lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(10, **kw) == pytest.approx(1.0)
+    assert lr_at(55, **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(100, **kw) == pytest.approx(0.1)
+    assert lr_at(50, total_steps=100, peak_lr=0.3, kind="constant") == 0.3
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_local_weights_load_through_timm_with_a_resized_head(tmp_path, suffix):
+    source = timm.create_model("test_resnet", num_classes=7)
+    path = tmp_path / f"weights{suffix}"
+    if suffix == ".safetensors":
+        save_file(source.state_dict(), str(path))
+    else:
+        torch.save({"model": source.state_dict()}, path)
+    model, init = create_model(ModelConfig(name="test_resnet", pretrained="true", weights_file=str(path)),
+                               num_classes=3, in_chans=3)
+    assert init.source == "file" and len(init.sha256) == 64
+    assert model.get_classifier().out_features == 3
+    loaded, saved = model.state_dict(), source.state_dict()
+    body = [k for k in saved if not k.startswith(("fc.", "head."))]
+    assert all(torch.equal(loaded[k], saved[k]) for k in body)
+    # One input channel: timm folds the RGB filters of the first conv into one.
+    grey, _ = create_model(ModelConfig(name="test_resnet", pretrained="auto", weights_file=str(path)), 3, 1)
+    first = next(k for k in body if k.endswith("weight") and saved[k].dim() == 4)
+    assert torch.allclose(grey.state_dict()[first], saved[first].sum(dim=1, keepdim=True))
+
+
+def test_pretrained_true_offline_fails_fast_with_a_remedy(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    start = time.monotonic()
+    with pytest.raises(WeightsUnavailable) as err:
+        create_model(ModelConfig(name="resnet18", pretrained="true"), 10, 3)
+    assert time.monotonic() - start < 30
+    assert "model.weights_file" in str(err.value)
+    with pytest.warns(UserWarning, match="RANDOM"):
+        _, init = create_model(ModelConfig(name="resnet18", pretrained="auto"), 10, 3)
+    assert init.source == "random"
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned-by-checkpoint",))
+
+
+def test_hostile_pickle_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"model": _Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(ckpt.UnsafeCheckpoint, match="refused"):
+        ckpt.load(tmp_path / "evil.pt")
+    assert not (tmp_path / "pwned-by-checkpoint").exists()
+
+
+def test_nan_loss_stops_with_a_clear_error(tmp_path, prepared, monkeypatch):
+    cfg = run_config(tmp_path)
+    original = torch.nn.functional.cross_entropy
+
+    def poisoned(*args, **kwargs):
+        return original(*args, **kwargs) * float("nan")
+
+    monkeypatch.setattr(engine.F, "cross_entropy", poisoned)
+    with pytest.raises(engine.NonFiniteLoss, match="loss is nan"):
+        fit(cfg, prepared, tmp_path)
