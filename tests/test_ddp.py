@@ -35,7 +35,7 @@ def prepared(fake_fmnist, tmp_path_factory):
 def deterministic_params(**train):
     """A BatchNorm-free model, fp32, no random crops: 1 process and 2 must then agree."""
     params = tiny_params(amp="off", crop_scale_min=1.0, hflip=False, epochs=1, **train)
-    params["model"]["name"] = "test_vit"
+    params["model"]["name"] = "test_nfnet"
     return params
 
 

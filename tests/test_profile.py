@@ -95,7 +95,8 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
     names = {e.get("name") for e in events}
     assert {"forward", "backward", "optimizer", "data_wait"} <= names
     assert any(n and n.startswith("ProfilerStep#") for n in names)
-    assert {t["knob"] for t in result["trials"]} == {"amp", "channels_last", "batch_size", "loader"}
+    assert {t["knob"] for t in result["trials"]} == {"amp", "channels_last", "batch_size", "loader", "num_workers"}
+    assert set(result["tuned"]) == {"amp", "channels_last", "loader", "num_workers"}  # the `auto` knobs
     (tmp_path / "m").mkdir()
     result.pop("tuned")
     (tmp_path / "m" / "optimized.json").write_text(json.dumps(result))

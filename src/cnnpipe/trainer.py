@@ -16,6 +16,7 @@ import torch
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from .config import RunConfig
@@ -176,7 +177,10 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
               flush=True)
     for epoch in range(start_epoch, t.epochs):
         train_loader.set_epoch(epoch)
-        stats = train_one_epoch(ctx, train_loader, train_loader.device_transform, epoch * steps_per_epoch)
+        # A live bar with ETA on rank 0 in a terminal; plain per-epoch lines otherwise (CI, logs).
+        batches = tqdm(train_loader, total=steps_per_epoch, desc=f"{cfg.variant} epoch {epoch + 1}/{t.epochs}",
+                       unit="step", leave=False, disable=None if info.is_primary else True)
+        stats = train_one_epoch(ctx, batches, train_loader.device_transform, epoch * steps_per_epoch)
         val = evaluate_top1(unwrap(model), val_loader, val_transform, info, amp)
         record = _epoch_record(epoch, stats, val, info)
         if ema is not None:
