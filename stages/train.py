@@ -5,6 +5,7 @@ fails under torchrun).
 """
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,9 +27,16 @@ def main() -> int:
     parser.add_argument("--models", default="models", help="checkpoints go to <models>/<variant>/")
     parser.add_argument("--metrics", default="metrics", help="train.json goes to <metrics>/<variant>/")
     parser.add_argument("--tuned", default=None, help="the profile's <variant>_tuned.yaml (values for `auto`)")
+    parser.add_argument("--nnodes", type=int, help="override train.nnodes (e.g. $SLURM_NNODES)")
+    parser.add_argument("--node-rank", type=int, help="override train.node_rank (e.g. $SLURM_NODEID)")
+    parser.add_argument("--rdzv-endpoint", help="override train.rdzv_endpoint (host:port of node 0)")
     args = parser.parse_args()
     try:
         cfg = resolve(load_params(args.params), args.variant)
+        overrides = {k: v for k, v in (("nnodes", args.nnodes), ("node_rank", args.node_rank),
+                                       ("rdzv_endpoint", args.rdzv_endpoint)) if v is not None}
+        if overrides:  # validated by TrainConfig like any params value
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **overrides))
     except ParamsError as exc:
         print(f"train: {exc}", file=sys.stderr)
         return 2

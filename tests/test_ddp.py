@@ -39,13 +39,13 @@ def deterministic_params(**train):
     return params
 
 
-def train(tmp_path: Path, name: str, params: dict, prepared: Path, extra_env=None) -> subprocess.Popen:
+def train(tmp_path: Path, name: str, params: dict, prepared: Path, extra_env=None, args=()) -> subprocess.Popen:
     out = tmp_path / name
     out.mkdir(exist_ok=True)
     param_file = write_params(out / "params.yaml", params)
     env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
     return subprocess.Popen([sys.executable, TRAIN, "optimized", "--params", str(param_file), "--data", str(prepared),
-                             "--models", str(out / "models"), "--metrics", str(out / "metrics")],
+                             "--models", str(out / "models"), "--metrics", str(out / "metrics"), *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -72,9 +72,10 @@ def test_two_processes_match_one_at_the_same_global_batch(tmp_path, prepared):
 def test_two_node_rendezvous_on_loopback_writes_one_set_of_outputs(tmp_path, prepared):
     endpoint = f"127.0.0.1:{free_port()}"
     procs = []
-    for node in (0, 1):
-        params = deterministic_params(batch_size=16, nnodes=2, node_rank=node, rdzv_endpoint=endpoint)
-        procs.append(train(tmp_path, f"node{node}", params, prepared))
+    params = deterministic_params(batch_size=16, nnodes=2, node_rank=0, rdzv_endpoint=endpoint)
+    procs.append(train(tmp_path, "node0", params, prepared))
+    # node 1 shares params.yaml and takes its rank from the command line, as under SLURM
+    procs.append(train(tmp_path, "node1", params, prepared, args=("--node-rank", "1")))
     outputs = [finish(p) for p in procs]
     assert "--nnodes=2" in outputs[0]
     summary = json.loads((tmp_path / "node0" / "metrics" / "optimized" / "train.json").read_text())

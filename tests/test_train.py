@@ -154,3 +154,24 @@ def test_nan_loss_stops_with_a_clear_error(tmp_path, prepared, monkeypatch):
     monkeypatch.setattr(engine.F, "cross_entropy", poisoned)
     with pytest.raises(engine.NonFiniteLoss, match="loss is nan"):
         fit(cfg, prepared, tmp_path)
+
+
+def test_gradient_accumulation_matches_the_larger_batch(tmp_path, prepared):
+    """2 micro-batches of 16 = one batch of 32, on a BatchNorm-free model without random crops."""
+    weights = []
+    for name, train in (("big", dict(batch_size=32)), ("accum", dict(batch_size=16, accum_steps=2))):
+        params = tiny_params(amp="off", crop_scale_min=1.0, hflip=False, epochs=1, **train)
+        params["model"]["name"] = "test_nfnet"
+        cfg = resolve(load_params(write_params(tmp_path / f"{name}.yaml", params)), "optimized")
+        summary = fit(cfg, prepared, tmp_path / name)
+        assert summary["global_batch"] == 32
+        weights.append(torch.load(tmp_path / name / "models" / "last.pt", weights_only=True)["model"])
+    for key in weights[0]:
+        assert torch.allclose(weights[0][key], weights[1][key], rtol=1e-4, atol=1e-6), key
+
+
+def test_mixup_cutmix_and_ema_train(tmp_path, prepared):
+    cfg = run_config(tmp_path, mixup_alpha=0.2, cutmix_alpha=1.0, ema_decay=0.9)
+    summary = fit(cfg, prepared, tmp_path)
+    assert math.isfinite(summary["final_train_loss"])
+    assert "val_top1_ema" in summary["history"][-1]

@@ -116,6 +116,12 @@ class TrainConfig:
     """Smallest crop area (fraction of the image) of the random-resized crop."""
     hflip: bool = True
     """Random horizontal flips."""
+    mixup_alpha: float = 0.0
+    """Mixup Beta(alpha, alpha); 0 disables it."""
+    cutmix_alpha: float = 0.0
+    """CutMix Beta(alpha, alpha); 0 disables it (with both set, timm switches per batch)."""
+    accum_steps: int = 1
+    """Gradient accumulation: micro-batches per optimizer step (global batch x this)."""
     ema_decay: float | None = None
     """Model EMA decay (e.g. 0.998), evaluated alongside; null disables it."""
     grad_clip: float | None = None
@@ -146,7 +152,7 @@ class TrainConfig:
     """Write models/<variant>/last.pt every N epochs (and always at the end)."""
 
     def __post_init__(self) -> None:
-        ints = {"epochs": 1, "batch_size": 1, "nproc": 1, "checkpoint_every": 1}
+        ints = {"epochs": 1, "batch_size": 1, "nproc": 1, "checkpoint_every": 1, "accum_steps": 1}
         for key, low in ints.items():
             if getattr(self, key) < low:
                 _fail(f"train.{key}", getattr(self, key), f"an integer >= {low}")
@@ -166,6 +172,11 @@ class TrainConfig:
             _fail("train.label_smoothing", self.label_smoothing, "a float in [0, 1)")
         if not 0.05 <= self.crop_scale_min <= 1.0:
             _fail("train.crop_scale_min", self.crop_scale_min, "a fraction in [0.05, 1]")
+        for key in ("mixup_alpha", "cutmix_alpha"):
+            if getattr(self, key) < 0:
+                _fail(f"train.{key}", getattr(self, key), "a float >= 0 (0 disables it)")
+        if (self.mixup_alpha or self.cutmix_alpha) and self.batch_size % 2:
+            _fail("train.batch_size", self.batch_size, "an even number when mixup/cutmix is on")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             _fail("train.ema_decay", self.ema_decay, "null or a float in (0, 1)")
         if self.grad_clip is not None and self.grad_clip <= 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -9,8 +10,9 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
+from timm.loss import SoftTargetCrossEntropy
 
-from .distributed import DistInfo, all_reduce_sum
+from .distributed import DistInfo, all_reduce_sum, unwrap
 from .precision import autocast
 
 
@@ -48,6 +50,10 @@ class StepContext:
     grad_clip: float | None = None
     lr_for_step: Callable[[int], float] = lambda step: 0.0
     ema: torch.nn.Module | None = None
+    mixup: Callable | None = None
+    """timm Mixup: (x, labels) → (mixed x, soft targets); None disables it."""
+    accum_steps: int = 1
+    """Micro-batches per optimizer step."""
 
 
 def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callable, start_step: int,
@@ -60,43 +66,48 @@ def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callab
     sync = ctx.device.type == "cuda"
     t_epoch = time.perf_counter()
     t_wait = time.perf_counter()
-    for images, labels in loader:
+    accum = max(1, ctx.accum_steps)
+    usable = (len(loader) // accum) * accum if hasattr(loader, "__len__") else None
+    lr = ctx.lr_for_step(step)
+    for micro, (images, labels) in enumerate(loader):
+        if usable is not None and micro >= usable:
+            break  # a trailing partial accumulation window would step with fewer samples
         stats.data_wait_s += time.perf_counter() - t_wait  # time blocked on the loader
         t_step = time.perf_counter()
         images = images.to(ctx.device, non_blocking=True)
         labels = labels.to(ctx.device, non_blocking=True)
         x = device_transform(images)
-        lr = ctx.lr_for_step(step)
-        for group in ctx.optimizer.param_groups:
-            group["lr"] = lr
+        first, last = micro % accum == 0, (micro + 1) % accum == 0
+        if first:
+            lr = ctx.lr_for_step(step)
+            for group in ctx.optimizer.param_groups:
+                group["lr"] = lr
+            ctx.optimizer.zero_grad(set_to_none=True)
         with autocast(ctx.amp, ctx.device):
-            logits = ctx.model(x)
-            loss = F.cross_entropy(logits, labels, label_smoothing=ctx.label_smoothing)
+            if ctx.mixup is None:
+                loss = F.cross_entropy(ctx.model(x), labels, label_smoothing=ctx.label_smoothing)
+            else:  # mixup/cutmix: soft targets, with label smoothing folded into them
+                x, targets = ctx.mixup(x, labels)
+                loss = _soft_target_ce(ctx.model(x).float(), targets)
         # On the CPU this check is free; on CUDA it is a sync point, so only every 50 steps.
         if (not sync or step % 50 == 0) and not math.isfinite(loss.item()):
             raise NonFiniteLoss(f"loss is {loss.item()} at optimizer step {step} (lr={lr:.4g})")
-        ctx.optimizer.zero_grad(set_to_none=True)
-        if ctx.scaler is not None:
-            ctx.scaler.scale(loss).backward()
-            if ctx.grad_clip:
-                ctx.scaler.unscale_(ctx.optimizer)
-                torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.grad_clip)
-            ctx.scaler.step(ctx.optimizer)
-            ctx.scaler.update()
-        else:
-            loss.backward()
-            if ctx.grad_clip:
-                torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.grad_clip)
-            ctx.optimizer.step()
-        if ctx.ema is not None:
-            ctx.ema.update(ctx.model, step=step)
+        scaled = loss / accum
+        # Under DDP, all-reduce gradients only on the last micro-batch of the window.
+        no_sync = getattr(ctx.model, "no_sync", None)
+        with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
+            (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
+        if last:
+            _optimizer_step(ctx)
+            if ctx.ema is not None:
+                ctx.ema.update(unwrap(ctx.model), step=step)
+            step += 1
+            stats.steps += 1
+            if on_step is not None:
+                on_step(step, lr)
         running += loss.detach() * labels.shape[0]
         stats.images += labels.shape[0]
-        stats.steps += 1
         stats.lr_last = lr
-        step += 1
-        if on_step is not None:
-            on_step(step, lr)
         stats.step_times.append(time.perf_counter() - t_step)
         t_wait = time.perf_counter()
     if sync:
@@ -106,6 +117,23 @@ def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callab
     if not math.isfinite(stats.loss):
         raise NonFiniteLoss(f"mean epoch loss is {stats.loss}")
     return stats
+
+
+_soft_target_ce = SoftTargetCrossEntropy()
+
+
+def _optimizer_step(ctx: StepContext) -> None:
+    """Unscale (fp16), clip, step and update the scaler."""
+    if ctx.scaler is not None:
+        if ctx.grad_clip:
+            ctx.scaler.unscale_(ctx.optimizer)
+            torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.grad_clip)
+        ctx.scaler.step(ctx.optimizer)
+        ctx.scaler.update()
+    else:
+        if ctx.grad_clip:
+            torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.grad_clip)
+        ctx.optimizer.step()
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from timm.data import Mixup
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
@@ -122,9 +123,11 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
                                    world_size=info.world_size)
     val_transform = FastTransform(aug, mean, std, train=False, channels_last=t.channels_last, seed=cfg.seed)
 
-    global_batch = t.batch_size * info.world_size
+    global_batch = t.batch_size * info.world_size * t.accum_steps
     peak_lr = scaled_lr(t.lr, global_batch)
-    steps_per_epoch = len(train_loader)
+    if len(train_loader) < t.accum_steps:
+        raise ValueError(f"train.accum_steps={t.accum_steps} exceeds the {len(train_loader)} batches per epoch")
+    steps_per_epoch = len(train_loader) // t.accum_steps
     total_steps = steps_per_epoch * t.epochs
     warmup_steps = int(round(t.warmup_epochs * steps_per_epoch)) if t.schedule == "cosine" else 0
 
@@ -165,8 +168,12 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
         train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if t.compile != "off":
         train_model = torch.compile(train_model, mode=None if t.compile == "default" else t.compile)
+    mixup = None
+    if t.mixup_alpha or t.cutmix_alpha:
+        mixup = Mixup(mixup_alpha=t.mixup_alpha, cutmix_alpha=t.cutmix_alpha, label_smoothing=t.label_smoothing,
+                      num_classes=train_split.num_classes)
     ctx = StepContext(train_model, optimizer, device, amp, t.label_smoothing, scaler, t.grad_clip,
-                      lr_for_step, ema)
+                      lr_for_step, ema, mixup, t.accum_steps)
     live = _Live(live_dir if info.is_primary else None, resume=resumed_from is not None and resumed_from > 0)
     gpu = GpuUtilSampler(device)
 
@@ -178,7 +185,7 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     for epoch in range(start_epoch, t.epochs):
         train_loader.set_epoch(epoch)
         # A live bar with ETA on rank 0 in a terminal; plain per-epoch lines otherwise (CI, logs).
-        batches = tqdm(train_loader, total=steps_per_epoch, desc=f"{cfg.variant} epoch {epoch + 1}/{t.epochs}",
+        batches = tqdm(train_loader, total=len(train_loader), desc=f"{cfg.variant} epoch {epoch + 1}/{t.epochs}",
                        unit="step", leave=False, disable=None if info.is_primary else True)
         stats = train_one_epoch(ctx, batches, train_loader.device_transform, epoch * steps_per_epoch)
         val = evaluate_top1(unwrap(model), val_loader, val_transform, info, amp)

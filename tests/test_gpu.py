@@ -1,0 +1,59 @@
+"""CUDA-only checks: skipped (never silently passed) on machines without a GPU."""
+
+import pytest
+import torch
+
+from cnnpipe.config import load_params, resolve
+from cnnpipe.distributed import DistInfo
+from cnnpipe.monitor import GpuUtilSampler
+from cnnpipe.precision import grad_scaler, resolve_amp
+from cnnpipe.profiling import build_setup, profile_variant, timed_steps
+from cnnpipe.data.prepare import prepare_fashion_mnist
+
+from conftest import tiny_params, write_params
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def prepared(fake_fmnist, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared")
+    prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 0, out, search_dirs=(fake_fmnist,))
+    return out
+
+
+def cuda_config(tmp_path, **train):
+    params = tiny_params(device="cuda", pin_memory=True, **train)
+    return resolve(load_params(write_params(tmp_path / "params.yaml", params)), "optimized")
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_amp_and_channels_last_train_on_cuda(tmp_path, prepared, amp):
+    info = DistInfo(device=torch.device("cuda", 0))
+    s = build_setup(cuda_config(tmp_path, amp=amp, channels_last=True), info, prepared)
+    assert (grad_scaler(amp, info.device) is not None) == (amp == "fp16")
+    times, totals, _ = timed_steps(s, warmup=2, steps=3)
+    assert all(t > 0 for t in times) and totals["forward"] > 0
+    assert next(s.model.parameters()).device.type == "cuda"
+
+
+def test_auto_amp_on_cuda_prefers_bf16_on_ampere_or_newer():
+    major, _ = torch.cuda.get_device_capability()
+    assert resolve_amp("auto", torch.device("cuda", 0)) == ("bf16" if major >= 8 else "fp16")
+
+
+def test_profile_on_cuda_reports_memory_headroom(tmp_path, prepared):
+    info = DistInfo(device=torch.device("cuda", 0))
+    result = profile_variant(cuda_config(tmp_path), info, prepared, tmp_path / "trace", False)
+    assert 0 < result["memory_frac"] < 1
+
+
+def test_nvml_utilisation_is_sampled():
+    sampler = GpuUtilSampler(torch.device("cuda", 0), interval_s=0.05)
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(50):
+        x = x @ x
+        x = x / x.norm()
+    torch.cuda.synchronize()
+    util = sampler.stop()
+    assert util is None or 0 <= util <= 100
