@@ -175,3 +175,15 @@ def test_mixup_cutmix_and_ema_train(tmp_path, prepared):
     summary = fit(cfg, prepared, tmp_path)
     assert math.isfinite(summary["final_train_loss"])
     assert "val_top1_ema" in summary["history"][-1]
+
+
+def test_finished_run_or_changed_data_is_never_reused(tmp_path, prepared, capsys, fake_fmnist):
+    cfg = run_config(tmp_path, epochs=1)
+    fit(cfg, prepared, tmp_path)
+    summary = fit(cfg, prepared, tmp_path)  # e.g. `dvc repro -f`, or a code change upstream
+    assert summary["resumed_from_epoch"] is None
+    assert "finished run" in capsys.readouterr().err
+    other = tmp_path / "other-data"
+    other.mkdir()
+    prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 1, other, search_dirs=(fake_fmnist,))
+    assert ckpt.data_fingerprint(other) != ckpt.data_fingerprint(prepared)  # another seed, another split

@@ -24,12 +24,23 @@ class UnsafeCheckpoint(RuntimeError):
     """The file needs arbitrary pickle globals to load: refused."""
 
 
-def fingerprint(cfg: RunConfig) -> str:
-    """Hash of every setting that changes what training computes."""
+def data_fingerprint(prepared_dir: Path) -> str:
+    """Hash of the prepared data set's identity: its index, training labels and per-image sha256s."""
+    digest = hashlib.sha256()
+    for name in ("index.json", "train_labels.npy", "train_meta.jsonl"):
+        path = Path(prepared_dir) / name
+        if path.exists():
+            digest.update(name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(cfg: RunConfig, data: str = "") -> str:
+    """Hash of every setting that changes what training computes, and of the data it trains on."""
     raw = cfg.to_dict()
     for section, key in RESUME_NEUTRAL:
         raw[section].pop(key, None)
     raw.pop("profile", None)
+    raw["data_fingerprint"] = data
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

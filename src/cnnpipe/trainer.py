@@ -136,15 +136,21 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
                      kind=t.schedule, min_lr_ratio=t.min_lr_ratio)
 
     # ---- resume
-    fp = ckpt.fingerprint(cfg)
+    fp = ckpt.fingerprint(cfg, ckpt.data_fingerprint(prepared_dir))
     last_path, best_path = model_dir / "last.pt", model_dir / "best.pt"
     start_epoch, history, best_top1, resumed_from = 0, [], -1.0, None
     if last_path.exists():
         state = ckpt.load(last_path)
         if state.get("fingerprint") != fp:
             if info.is_primary:
-                print(f"train[{cfg.variant}]: NOT resuming {last_path}: it was made under different params "
-                      f"({state.get('fingerprint')} != {fp}); starting from scratch", file=sys.stderr)
+                print(f"train[{cfg.variant}]: NOT resuming {last_path}: it was made under different params or "
+                      f"data ({state.get('fingerprint')} != {fp}); starting from scratch", file=sys.stderr)
+        elif state["epoch"] >= t.epochs:
+            # A finished run that DVC asks to run again: an input (code, data, -f) changed. Only an
+            # unfinished run is resumed; a finished one is never silently reused.
+            if info.is_primary:
+                print(f"train[{cfg.variant}]: {last_path} is a finished run; training again from scratch",
+                      file=sys.stderr)
         else:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
