@@ -64,22 +64,22 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
-    """Sum a list of floats across ranks (identity on one process)."""
+def _all_reduce(values: list[float], info: DistInfo, op: dist.ReduceOp) -> list[float]:
     if not info.distributed:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=op)
     return t.tolist()
+
+
+def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
+    """Sum a list of floats across ranks (identity on one process)."""
+    return _all_reduce(values, info, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(values: list[float], info: DistInfo) -> list[float]:
     """Element-wise max across ranks (identity on one process)."""
-    if not info.distributed:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return _all_reduce(values, info, dist.ReduceOp.MAX)
 
 
 def barrier(info: DistInfo) -> None:
