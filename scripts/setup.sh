@@ -36,9 +36,11 @@ have_fmnist() {
 if ! have_fmnist; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "setup: installing the Debian package dataset-fashion-mnist"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; } ||
+      echo "setup: apt-get could not install dataset-fashion-mnist" >&2
   elif command -v sudo >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+    { sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; } ||
+      echo "setup: apt-get could not install dataset-fashion-mnist" >&2
   fi
 fi
 have_fmnist || echo "setup: WARNING: Fashion-MNIST not found; 'apt-get install dataset-fashion-mnist' or copy the \
