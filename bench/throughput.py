@@ -21,8 +21,8 @@ from cnnpipe.precision import autocast
 
 
 def step_time(model_name: str, size: int, batch: int, amp: str, channels_last: bool, device: torch.device,
-              steps: int, warmup: int, in_chans: int) -> float:
-    """Median seconds per training step."""
+              steps: int, warmup: int, in_chans: int, compile_mode: str | None = None) -> float:
+    """Median seconds per training step (compilation happens in the warm-up steps)."""
     torch.manual_seed(0)
     model = timm.create_model(model_name, num_classes=10, in_chans=in_chans).to(device)
     x = torch.randn(batch, in_chans, size, size, device=device)
@@ -31,6 +31,8 @@ def step_time(model_name: str, size: int, batch: int, amp: str, channels_last: b
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if compile_mode:
+        model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     times = []
     for i in range(warmup + steps):
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--in-chans", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", default=None, help="also time torch.compile(mode) with the fastest eager setting")
     args = parser.parse_args()
     device = torch.device(args.device)
     precisions = ["off", "bf16"] + (["fp16"] if device.type == "cuda" else [])
@@ -77,6 +80,14 @@ def main() -> None:
                 layout = "channels_last" if channels_last else "NCHW"
                 print(f"{size:>5} {('fp32' if amp == 'off' else amp):>9} {layout:>13} {rate:>8.0f} "
                       f"{rate / reference:>12.2f}x", flush=True)
+        if args.compile:
+            amp = "bf16" if device.type == "cpu" else precisions[-1]
+            start = time.perf_counter()
+            t = step_time(args.model, size, args.batch, amp, True, device, args.steps, args.warmup,
+                          args.in_chans, args.compile)
+            total = time.perf_counter() - start
+            print(f"{size:>5} {amp:>9} {'cl+compile':>13} {args.batch / t:>8.0f} {args.batch / t / reference:>12.2f}x"
+                  f"   (compile + all steps took {total:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

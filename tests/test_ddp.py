@@ -82,3 +82,11 @@ def test_two_node_rendezvous_on_loopback_writes_one_set_of_outputs(tmp_path, pre
     assert summary["world_size"] == 2
     assert not (tmp_path / "node1" / "metrics" / "optimized" / "train.json").exists()
     assert not (tmp_path / "node1" / "models" / "optimized" / "last.pt").exists()
+
+
+def test_sync_batchnorm_on_cpu_is_a_clear_error(tmp_path, prepared):
+    params = tiny_params(batch_size=16, nproc=2, sync_bn=True, epochs=1)
+    proc = train(tmp_path, "syncbn", params, prepared)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "train.sync_bn=true needs CUDA" in output

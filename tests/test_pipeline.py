@@ -130,3 +130,39 @@ def test_repro_on_an_image_folder(project, tmp_path, predefined):
     assert report["predefined_splits"] is predefined
     evaluation = json.loads((project / "metrics" / "optimized" / "eval.json").read_text())
     assert evaluation["images"] == report["splits"]["test"]
+
+
+def test_killed_repro_resumes_without_repeating_epochs(project):
+    """SIGKILL the whole `dvc repro` mid-training; the next `dvc repro` resumes from last.pt."""
+    import signal
+    import time
+
+    import torch
+
+    params = tiny_params(epochs=8)
+    params["model"]["name"] = "resnet18"  # slow enough on the CPU to be killed between epochs
+    params["data"]["stored_size"] = 32
+    write_params(project / "params.yaml", params)
+    shutil.rmtree(project / "models" / "optimized", ignore_errors=True)  # no checkpoint of earlier tests
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.Popen(["dvc", "repro", "train@optimized"], cwd=project, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = project / "models" / "optimized" / "last.pt"
+    killed_after = None
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if last.exists():
+            state = torch.load(last, weights_only=True, map_location="cpu")
+            if 2 <= state["epoch"] < 8 and state["history"][0]["epoch"] == 1:
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed_after = state["epoch"]
+                break
+        time.sleep(0.05)
+    proc.wait(timeout=60)
+    assert killed_after is not None, "training finished before it could be killed"
+    out = run(["dvc", "repro", "train@optimized"], project)
+    assert "resuming from" in out
+    summary = json.loads((project / "metrics" / "optimized" / "train.json").read_text())
+    epochs = [h["epoch"] for h in summary["history"]]
+    assert epochs == list(range(1, 9))  # every epoch once: none repeated, none lost
+    assert summary["resumed_from_epoch"] >= killed_after

@@ -140,6 +140,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc: int = 1
     """Processes per node; > 1 relaunches the stage under torchrun."""
+    sync_bn: bool = False
+    """Convert BatchNorm to SyncBatchNorm under DDP (batch statistics over all ranks)."""
     nnodes: int = 1
     """Machines taking part; > 1 uses a static rendezvous at `rdzv_endpoint`."""
     node_rank: int = 0

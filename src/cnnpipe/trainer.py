@@ -105,6 +105,9 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     seed_everything(cfg.seed, info.rank)
     threads = set_threads(cfg, info)
     t = cfg.train
+    if t.sync_bn and info.distributed and info.device.type != "cuda":
+        raise ValueError("train.sync_bn=true needs CUDA: PyTorch's SyncBatchNorm runs on GPUs only; "
+                         "set train.sync_bn: false for CPU training")
     train_split = open_split(prepared_dir, "train")
     val_split = open_split(prepared_dir, "val")
     device = info.device
@@ -171,6 +174,8 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     # ---- wrap
     train_model: torch.nn.Module = model
     if info.distributed:
+        if t.sync_bn:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # parameters are shared, not copied
         train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if t.compile != "off":
         train_model = torch.compile(train_model, mode=None if t.compile == "default" else t.compile)
