@@ -15,7 +15,8 @@ from conftest import ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
-PROJECT_FILES = ("dvc.yaml", "stages", "src", ".dvc/config", ".dvcignore", "pyproject.toml", "data/raw/README.md")
+PROJECT_FILES = ("dvc.yaml", "stages", "src", ".dvc/config", ".dvcignore", "pyproject.toml", "data/raw/README.md",
+                 "weights/README.md")
 
 
 def run(cmd: list[str], cwd: Path) -> str:
@@ -166,3 +167,13 @@ def test_killed_repro_resumes_without_repeating_epochs(project):
     epochs = [h["epoch"] for h in summary["history"]]
     assert epochs == list(range(1, 9))  # every epoch once: none repeated, none lost
     assert summary["resumed_from_epoch"] >= killed_after
+
+
+def test_a_new_local_weights_file_reruns_training(project):
+    (project / "weights" / "mine.safetensors").write_bytes(b"not really weights")
+    try:
+        status = json.loads(run(["dvc", "status", "--json"], project).strip().splitlines()[-1])
+    finally:
+        (project / "weights" / "mine.safetensors").unlink()
+    for stage in ("train@baseline", "train@optimized"):
+        assert any("weights" in json.dumps(entry) for entry in status.get(stage, [])), status.get(stage)
