@@ -41,7 +41,7 @@ def main() -> int:
         print(f"train: {exc}", file=sys.stderr)
         return 2
     if needs_torchrun(cfg.train):
-        return relaunch(cfg.train, __file__, sys.argv[1:], run_id=f"cnnpipe-{args.variant}")
+        return relaunch(cfg.train, __file__, sys.argv[1:])
     info = init_distributed(cfg.train.device)
     try:
         fit(cfg, info, Path(args.data), Path(args.models) / args.variant,

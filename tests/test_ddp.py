@@ -56,7 +56,7 @@ def finish(proc: subprocess.Popen) -> str:
 
 
 def test_two_processes_match_one_at_the_same_global_batch(tmp_path, prepared):
-    one = finish(train(tmp_path, "one", deterministic_params(batch_size=32), prepared))
+    finish(train(tmp_path, "one", deterministic_params(batch_size=32), prepared))
     two = finish(train(tmp_path, "two", deterministic_params(batch_size=16, nproc=2), prepared))
     assert "torch.distributed.run" in two and "x2" in two
     m1 = json.loads((tmp_path / "one" / "metrics" / "optimized" / "train.json").read_text())

@@ -6,17 +6,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-# (key in the output, label, source file, key in source, format, higher is better)
+# (key in the output, label, source file, key in source, format)
 ROWS = (
-    ("top1", "Top-1 (test)", "eval", "top1", "{:.2%}", True),
-    ("top5", "Top-5 (test)", "eval", "top5", "{:.2%}", True),
-    ("ece", "Calibration error (ECE)", "eval", "ece", "{:.4f}", False),
-    ("epoch_time_s", "Epoch time (s, median)", "train", "epoch_time_s", "{:.1f}", False),
-    ("train_time_s", "Training time (s)", "train", "train_time_s", "{:.0f}", False),
-    ("throughput_img_s", "Train throughput (img/s)", "train", "throughput_img_s", "{:.0f}", True),
-    ("data_wait_frac", "Data-wait fraction", "train", "data_wait_frac", "{:.1%}", False),
-    ("peak_mem_mb", "Peak memory (MB)", "train", "peak_mem_mb", "{:.0f}", False),
-    ("eval_throughput_img_s", "Inference (img/s, model only)", "eval", "model_throughput_img_s", "{:.0f}", True),
+    ("top1", "Top-1 (test)", "eval", "top1", "{:.2%}"),
+    ("top5", "Top-5 (test)", "eval", "top5", "{:.2%}"),
+    ("ece", "Calibration error (ECE)", "eval", "ece", "{:.4f}"),
+    ("epoch_time_s", "Epoch time (s, median)", "train", "epoch_time_s", "{:.1f}"),
+    ("train_time_s", "Training time (s)", "train", "train_time_s", "{:.0f}"),
+    ("throughput_img_s", "Train throughput (img/s)", "train", "throughput_img_s", "{:.0f}"),
+    ("data_wait_frac", "Data-wait fraction", "train", "data_wait_frac", "{:.1%}"),
+    ("peak_mem_mb", "Peak memory (MB)", "train", "peak_mem_mb", "{:.0f}"),
+    ("eval_throughput_img_s", "Inference (img/s, model only)", "eval", "model_throughput_img_s", "{:.0f}"),
 )
 SETTINGS = ("amp", "channels_last", "loader", "global_batch", "init", "device", "world_size")
 
@@ -35,7 +35,7 @@ def load_variant(metrics_dir: Path, variant: str) -> dict[str, dict[str, Any]]:
 def compare(base: dict[str, dict[str, Any]], opt: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Side-by-side values, the headline ratios and the settings that differ."""
     rows = {}
-    for key, _, source, src_key, _, _ in ROWS:
+    for key, _, source, src_key, _ in ROWS:
         b, o = base[source].get(src_key), opt[source].get(src_key)
         rows[key] = {"baseline": b, "optimized": o,
                      "ratio": (o / b) if isinstance(b, (int, float)) and b and o is not None else None}
@@ -59,7 +59,7 @@ def to_markdown(result: dict[str, Any]) -> str:
              f"**{result['speedup_epoch_time']:.2f}x** shorter epochs, "
              f"top-1 {result['top1_delta'] * 100:+.2f} points.", "",
              "| Metric | Baseline | Optimized | Optimized / baseline |", "| --- | ---: | ---: | ---: |"]
-    for key, label, _, _, fmt, _ in ROWS:
+    for key, label, _, _, fmt in ROWS:
         row = result["rows"][key]
         ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
         lines.append(f"| {label} | {_fmt(fmt, row['baseline'])} | {_fmt(fmt, row['optimized'])} | {ratio} |")

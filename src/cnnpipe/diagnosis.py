@@ -51,34 +51,35 @@ class Recommendation:
         return asdict(self)
 
 
-def _input(f: Facts) -> Recommendation | None:
-    wait = f.fractions.get("data_wait", 0.0)
-    if wait <= INPUT_WAIT_FRAC:
+def _fraction_rule(f: Facts, region: str, threshold: float, bottleneck: str, action: str,
+                   knob: str | None = None, when: str = "") -> Recommendation | None:
+    """Fires when `region` takes more than `threshold` of the step; the gain is the bound if it vanished."""
+    share = f.fractions.get(region, 0.0)
+    if share <= threshold:
         return None
+    return Recommendation(bottleneck, action, {f"{region}_frac": round(share, 4), "threshold": threshold},
+                          f"up to {1 / (1 - share):.2f}x{when}", knob)
+
+
+def _input(f: Facts) -> Recommendation | None:
     if f.loader == "baseline":
-        action, knob = "switch to the fast batched loader (train.loader: fast)", "loader"
-    else:
-        action, knob = f"raise train.num_workers (now {f.num_workers}) and enable pin_memory", "num_workers"
-    return Recommendation("input", action, {"data_wait_frac": round(wait, 4), "threshold": INPUT_WAIT_FRAC},
-                          f"up to {1 / (1 - wait):.2f}x step time if the wait is hidden", knob)
+        return _fraction_rule(f, "data_wait", INPUT_WAIT_FRAC, "input",
+                              "switch to the fast batched loader (train.loader: fast)", "loader",
+                              " step time if the wait is hidden")
+    return _fraction_rule(f, "data_wait", INPUT_WAIT_FRAC, "input",
+                          f"raise train.num_workers (now {f.num_workers}) and enable pin_memory", "num_workers",
+                          " step time if the wait is hidden")
 
 
 def _communication(f: Facts) -> Recommendation | None:
-    comm = f.fractions.get("communication", 0.0)
-    if comm <= COMM_FRAC:
-        return None
-    return Recommendation("communication", "accumulate gradients or raise the per-process batch / DDP bucket size",
-                          {"communication_frac": round(comm, 4), "threshold": COMM_FRAC},
-                          f"up to {1 / (1 - comm):.2f}x if communication overlaps compute")
+    return _fraction_rule(f, "communication", COMM_FRAC, "communication",
+                          "accumulate gradients or raise the per-process batch / DDP bucket size",
+                          when=" if communication overlaps compute")
 
 
 def _host_sync(f: Facts) -> Recommendation | None:
-    sync = f.fractions.get("sync", 0.0)
-    if sync <= SYNC_FRAC:
-        return None
-    return Recommendation("host_sync", "remove per-step .item()/.cpu() calls; log accumulated tensors every N steps",
-                          {"sync_frac": round(sync, 4), "threshold": SYNC_FRAC},
-                          f"up to {1 / (1 - sync):.2f}x")
+    return _fraction_rule(f, "sync", SYNC_FRAC, "host_sync",
+                          "remove per-step .item()/.cpu() calls; log accumulated tensors every N steps")
 
 
 def _memory(f: Facts) -> Recommendation | None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from timm.loss import SoftTargetCrossEntropy
 
 from .distributed import DistInfo, all_reduce_sum, unwrap
+from .metrics import topk_correct
 from .precision import autocast
 
 
@@ -56,8 +57,7 @@ class StepContext:
     """Micro-batches per optimizer step."""
 
 
-def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callable, start_step: int,
-                    on_step: Callable[[int, float], None] | None = None) -> EpochStats:
+def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callable, start_step: int) -> EpochStats:
     """Train over `loader` once; `start_step` is the global optimizer step the epoch begins at."""
     ctx.model.train()
     stats = EpochStats()
@@ -68,7 +68,8 @@ def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callab
     t_wait = time.perf_counter()
     accum = max(1, ctx.accum_steps)
     usable = (len(loader) // accum) * accum if hasattr(loader, "__len__") else None
-    lr = ctx.lr_for_step(step)
+    lr = 0.0
+    no_sync = getattr(ctx.model, "no_sync", None)  # DDP only: skip the all-reduce inside a window
     for micro, (images, labels) in enumerate(loader):
         if usable is not None and micro >= usable:
             break  # a trailing partial accumulation window would step with fewer samples
@@ -93,8 +94,6 @@ def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callab
         if (not sync or step % 50 == 0) and not math.isfinite(loss.item()):
             raise NonFiniteLoss(f"loss is {loss.item()} at optimizer step {step} (lr={lr:.4g})")
         scaled = loss / accum
-        # Under DDP, all-reduce gradients only on the last micro-batch of the window.
-        no_sync = getattr(ctx.model, "no_sync", None)
         with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
             (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
         if last:
@@ -103,8 +102,6 @@ def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callab
                 ctx.ema.update(unwrap(ctx.model), step=step)
             step += 1
             stats.steps += 1
-            if on_step is not None:
-                on_step(step, lr)
         running += loss.detach() * labels.shape[0]
         stats.images += labels.shape[0]
         stats.lr_last = lr
@@ -158,14 +155,8 @@ def evaluate_top1(model: torch.nn.Module, loader: Iterable, transform: Callable,
     """Top-1, top-5 and loss over all ranks' shards."""
     logits, labels = predict(model, loader, transform, info.device, amp)
     n = len(labels)
-    if n:
-        k = min(5, logits.shape[1])
-        top = logits.topk(k, dim=1).indices
-        correct1 = (top[:, 0] == labels).sum().item()
-        correct5 = (top == labels[:, None]).any(dim=1).sum().item()
-        loss_sum = F.cross_entropy(logits, labels, reduction="sum").item()
-    else:
-        correct1 = correct5 = loss_sum = 0.0
+    correct1, correct5 = topk_correct(logits, labels, 1), topk_correct(logits, labels, 5)
+    loss_sum = F.cross_entropy(logits, labels, reduction="sum").item() if n else 0.0
     c1, c5, ls, total = all_reduce_sum([correct1, correct5, loss_sum, n], info)
     total = max(total, 1)
     return {"top1": c1 / total, "top5": c5 / total, "loss": ls / total}

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -17,6 +15,7 @@ from . import checkpoint as ckpt
 from .data.loaders import build_eval_loader, eval_transform
 from .data.store import open_split
 from .engine import predict
+from .files import write_json
 from .metrics import classification_summary
 from .monitor import peak_mem_mb
 from .precision import autocast
@@ -84,8 +83,8 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
         "peak_mem_mb": peak_mem_mb(device), "device": device.type, "amp": meta["amp"],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write(out_dir / "eval.json", result)
-    _write(out_dir / "classes.json", {"per_class": summary["per_class"], "confusion": summary["confusion"],
+    write_json(out_dir / "eval.json", result)
+    write_json(out_dir / "classes.json", {"per_class": summary["per_class"], "confusion": summary["confusion"],
                                       "classes": meta["classes"]})
     classes = meta["classes"]
     with open(out_dir / "predictions.csv", "w", newline="") as fh:
@@ -97,9 +96,3 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
         writer.writeheader()
         writer.writerows(summary["calibration"])
     return result
-
-
-def _write(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)

@@ -14,7 +14,7 @@ def needs_torchrun(t: TrainConfig) -> bool:
     return (t.nproc > 1 or t.nnodes > 1) and not under_torchrun()
 
 
-def torchrun_command(t: TrainConfig, script: str, args: list[str], run_id: str) -> list[str]:
+def torchrun_command(t: TrainConfig, script: str, args: list[str]) -> list[str]:
     """The torchrun command line for `script`: standalone on one node, static rendezvous otherwise."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={t.nproc}"]
     if t.nnodes == 1:
@@ -26,8 +26,8 @@ def torchrun_command(t: TrainConfig, script: str, args: list[str], run_id: str) 
     return cmd + [script, *args]
 
 
-def relaunch(t: TrainConfig, script: str, args: list[str], run_id: str) -> int:
+def relaunch(t: TrainConfig, script: str, args: list[str]) -> int:
     """Run the stage under torchrun and return its exit code."""
-    cmd = torchrun_command(t, script, args, run_id)
+    cmd = torchrun_command(t, script, args)
     print("launching:", " ".join(cmd), flush=True)
     return subprocess.call(cmd)

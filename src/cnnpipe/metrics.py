@@ -10,13 +10,17 @@ import torch.nn.functional as F
 from sklearn.metrics import classification_report, confusion_matrix
 
 
+def topk_correct(logits: torch.Tensor, labels: torch.Tensor, k: int) -> int:
+    """How many rows have their label among the `k` highest logits."""
+    if len(labels) == 0:
+        return 0
+    top = logits.topk(min(k, logits.shape[1]), dim=1).indices
+    return int((top == labels[:, None]).any(dim=1).sum())
+
+
 def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
     """Fraction of rows whose label is among the `k` highest logits."""
-    if len(labels) == 0:
-        return 0.0
-    k = min(k, logits.shape[1])
-    top = logits.topk(k, dim=1).indices
-    return (top == labels[:, None]).any(dim=1).float().mean().item()
+    return topk_correct(logits, labels, k) / len(labels) if len(labels) else 0.0
 
 
 def calibration_bins(probs: torch.Tensor, labels: torch.Tensor, n_bins: int = 15) -> list[dict[str, float]]:

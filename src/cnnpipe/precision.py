@@ -11,10 +11,7 @@ import torch
 def resolve_amp(amp: str, device: torch.device) -> str:
     """`auto` → bf16 where it is fast (CPUs with AVX512-BF16/AMX, Ampere+ GPUs), fp16 on older GPUs."""
     if amp != "auto":
-        if amp == "fp16" and device.type == "cpu":
-            # CPU fp16 autocast exists but is slow on most CPUs; allowed, since the user asked for it.
-            return "fp16"
-        return amp
+        return amp  # explicit choices stand (CPU fp16 is slow on most CPUs, but it was asked for)
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "bf16" if cpu_has_fast_bf16() else "off"

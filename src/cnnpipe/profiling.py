@@ -13,23 +13,22 @@ import os
 import resource
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from .config import RunConfig
-from .data.loaders import AugmentConfig, TrainLoader, build_train_loader
-from .data.store import open_split
+from .data.loaders import TrainLoader
 from .diagnosis import Facts, diagnose
 from .distributed import DistInfo
-from .models import model_mean_std
 from .monitor import peak_mem_mb
-from .precision import autocast, grad_scaler, resolve_amp
-from .trainer import build_model, build_optimizer
+from .precision import autocast
+from .schedule import scaled_lr
+from .trainer import build_training
 from .tuning import auto_knobs, resolve_auto
 
 REGIONS = ("data_wait", "copy", "augment", "forward", "backward", "optimizer", "sync")
@@ -69,7 +68,6 @@ class Setup:
     device: torch.device
     _iter: Iterator | None = None
     _epoch: int = 0
-    lr: float = field(default=0.0)
 
     def next_batch(self):
         if self._iter is None:
@@ -84,23 +82,14 @@ class Setup:
 
 
 def build_setup(cfg: RunConfig, info: DistInfo, prepared_dir: Path) -> Setup:
-    """Model, optimizer and loader exactly as `fit` builds them."""
+    """Model, optimizer and loader built by the same code as `fit`."""
     cfg = resolve_auto(cfg, info.device)
     torch.manual_seed(cfg.seed)
-    split = open_split(prepared_dir, "train")
-    model, _ = build_model(cfg, split.num_classes, split.channels, info.device)
-    mean, std = model_mean_std(model, split.channels)
-    t = cfg.train
-    aug = AugmentConfig(cfg.data.image_size, scale=(t.crop_scale_min, 1.0), hflip=t.hflip)
-    loader = build_train_loader(split, kind=t.loader, batch_size=t.batch_size, aug=aug, mean=mean, std=std,
-                                seed=cfg.seed, rank=info.rank, world_size=info.world_size,
-                                num_workers=t.num_workers, pin_memory=t.pin_memory, channels_last=t.channels_last)
-    amp = resolve_amp(str(t.amp), info.device)
-    lr = t.lr * t.batch_size * info.world_size / 256
-    optimizer = build_optimizer(model, cfg)
-    for group in optimizer.param_groups:
-        group["lr"] = lr * 0.1  # a small constant LR: the profile measures speed, not learning
-    return Setup(cfg, model, optimizer, loader, amp, grad_scaler(amp, info.device), info.device, lr=lr)
+    parts = build_training(cfg, info, prepared_dir)
+    peak_lr = scaled_lr(cfg.train.lr, cfg.train.batch_size * info.world_size)
+    for group in parts.optimizer.param_groups:
+        group["lr"] = peak_lr * 0.1  # a small constant LR: the profile measures speed, not learning
+    return Setup(cfg, parts.model, parts.optimizer, parts.loader, parts.amp, parts.scaler, info.device)
 
 
 def train_step(s: Setup, timer: RegionTimer) -> None:

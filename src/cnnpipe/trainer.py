@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,12 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from .config import RunConfig
-from .data.loaders import AugmentConfig, FastTransform, build_eval_loader, build_train_loader
-from .data.store import open_split
+from .data.loaders import AugmentConfig, FastTransform, TrainLoader, build_eval_loader, build_train_loader
+from .data.store import PreparedSplit, open_split
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, unwrap
 from .engine import StepContext, evaluate_top1, train_one_epoch
-from .models import create_model, model_mean_std
+from .files import write_json
+from .models import InitInfo, create_model, model_mean_std
 from .monitor import GpuUtilSampler, peak_mem_mb
 from .precision import grad_scaler, resolve_amp
 from .schedule import lr_at, scaled_lr
@@ -64,11 +65,36 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
     return create_optimizer_v2(model, opt=name, lr=t.lr, weight_decay=t.weight_decay, **kwargs)
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+@dataclass
+class TrainingParts:
+    """What a training step needs, built once from a config (used by `fit` and the profiler)."""
+
+    split: PreparedSplit
+    model: torch.nn.Module
+    init: InitInfo
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    amp: str
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    aug: AugmentConfig
+    loader: TrainLoader
+
+
+def build_training(cfg: RunConfig, info: DistInfo, prepared_dir: Path) -> TrainingParts:
+    """Model, optimizer, scaler and this rank's training loader for a resolved config."""
+    t = cfg.train
+    split = open_split(prepared_dir, "train")
+    model, init = build_model(cfg, split.num_classes, split.channels, info.device)
+    mean, std = model_mean_std(model, split.channels)
+    amp = resolve_amp(t.amp, info.device)
+    optimizer = build_optimizer(model, cfg)
+    aug = AugmentConfig(cfg.data.image_size, scale=(t.crop_scale_min, 1.0), hflip=t.hflip)
+    loader = build_train_loader(
+        split, kind=t.loader, batch_size=t.batch_size, aug=aug, mean=mean, std=std, seed=cfg.seed,
+        rank=info.rank, world_size=info.world_size, num_workers=t.num_workers, pin_memory=t.pin_memory,
+        channels_last=t.channels_last)
+    return TrainingParts(split, model, init, mean, std, amp, optimizer, grad_scaler(amp, info.device), aug, loader)
 
 
 class _Live:
@@ -108,20 +134,12 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     if t.sync_bn and info.distributed and info.device.type != "cuda":
         raise ValueError("train.sync_bn=true needs CUDA: PyTorch's SyncBatchNorm runs on GPUs only; "
                          "set train.sync_bn: false for CPU training")
-    train_split = open_split(prepared_dir, "train")
-    val_split = open_split(prepared_dir, "val")
     device = info.device
-    model, init = build_model(cfg, train_split.num_classes, train_split.channels, device)
-    mean, std = model_mean_std(model, train_split.channels)
-    amp = resolve_amp(t.amp, device)
-    optimizer = build_optimizer(model, cfg)
-    scaler = grad_scaler(amp, device)
+    parts = build_training(cfg, info, prepared_dir)
+    train_split, model, init, mean, std = parts.split, parts.model, parts.init, parts.mean, parts.std
+    amp, optimizer, scaler, aug, train_loader = parts.amp, parts.optimizer, parts.scaler, parts.aug, parts.loader
     ema = ModelEmaV3(model, decay=t.ema_decay) if t.ema_decay else None
-    aug = AugmentConfig(cfg.data.image_size, scale=(t.crop_scale_min, 1.0), hflip=t.hflip)
-    train_loader = build_train_loader(
-        train_split, kind=t.loader, batch_size=t.batch_size, aug=aug, mean=mean, std=std, seed=cfg.seed,
-        rank=info.rank, world_size=info.world_size, num_workers=t.num_workers, pin_memory=t.pin_memory,
-        channels_last=t.channels_last)
+    val_split = open_split(prepared_dir, "val")
     val_loader = build_eval_loader(val_split, batch_size=max(t.batch_size, 256), rank=info.rank,
                                    world_size=info.world_size)
     val_transform = FastTransform(aug, mean, std, train=False, channels_last=t.channels_last, seed=cfg.seed)
@@ -234,8 +252,8 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
         return None
     summary = _summary(cfg, history, init, info, amp, global_batch, peak_lr, threads, resumed_from, gpu_util,
                        time.perf_counter() - t_start)
-    _write_json(metrics_path, summary)
-    (model_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    write_json(metrics_path, summary)
+    write_json(model_dir / "config.json", cfg.to_dict())
     return summary
 
 

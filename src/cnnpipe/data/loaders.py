@@ -188,9 +188,8 @@ class FastTransform:
         if self.aug.scale[0] >= 1.0:  # crop_scale_min 1.0: no crop, only resize (and flip)
             x = F.interpolate(x, size=(self.aug.image_size,) * 2, mode="bilinear", antialias=True, align_corners=False)
             if self.aug.hflip:
-                flip = torch.rand(x.shape[0], device=self._generator(x.device).device,
-                                  generator=self._generator(x.device)) < 0.5
-                x = torch.where(flip.to(x.device)[:, None, None, None], x.flip(-1), x)
+                flip = torch.rand(x.shape[0], device=x.device, generator=self._generator(x.device)) < 0.5
+                x = torch.where(flip[:, None, None, None], x.flip(-1), x)
         else:
             x = random_resized_crop(x, self.aug, self._generator(x.device))
         return normalize(x, self.mean, self.std).contiguous(memory_format=self.memory_format)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import multiprocessing as mp
-import os
 import shutil
 from collections import defaultdict
 from functools import partial
@@ -19,6 +17,7 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 from ..config import DataConfig
+from ..files import write_json
 from . import idx
 from .decode import IMAGE_EXTENSIONS, Decoded, decode_file
 from .store import SPLITS, SplitWriter, write_index
@@ -215,7 +214,6 @@ def prepare_image_folder(cfg: DataConfig, seed: int, out_dir: Path, root: Path) 
     hashes: dict[str, dict[str, str]] = {}
     for split in SPLITS:
         writer = SplitWriter(out_dir, split, cfg.stored_size, channels=3)
-        labels = [label for _, label in splits[split]]
         split_hashes: dict[str, str] = {}
         for (path, label), result in zip(splits[split], _decode_all([p for p, _ in splits[split]], cfg, split)):
             rel = str(path.relative_to(root))
@@ -227,7 +225,6 @@ def prepare_image_folder(cfg: DataConfig, seed: int, out_dir: Path, root: Path) 
         writer.close()
         counts[split] = np.bincount(np.asarray(writer.labels, dtype=int), minlength=len(classes)).tolist()
         hashes[split] = split_hashes
-        del labels
     if bad and cfg.on_bad_image == "fail":
         listing = "\n".join(f"  {b['path']}: {b['reason']}" for b in bad[:50])
         raise DataError(f"{len(bad)} unusable image(s) under {root} and data.on_bad_image=fail:\n{listing}\n"
@@ -262,8 +259,5 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path) -> dic
         report = prepare_fashion_mnist(cfg, seed, out_dir)
     else:
         report = prepare_image_folder(cfg, seed, out_dir, Path(cfg.source).expanduser())
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = report_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, report_path)
+    write_json(report_path, report)
     return report

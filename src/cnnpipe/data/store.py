@@ -14,12 +14,13 @@ knowing in advance how many of the candidate files will decode: memory stays fla
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ..files import write_json
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -62,9 +63,7 @@ def write_index(out_dir: Path, classes: list[str], size: int, channels: int,
         "channels": channels,
         "splits": {s: {"count": int(sum(c)), "class_counts": [int(x) for x in c]} for s, c in counts.items()},
     }
-    tmp = out_dir / "index.json.tmp"
-    tmp.write_text(json.dumps(index, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, out_dir / "index.json")
+    write_json(out_dir / "index.json", index)
     return index
 
 
