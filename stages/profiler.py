@@ -44,8 +44,10 @@ def main() -> int:
           f"{result['throughput_img_s']:.0f} img/s; {shares}; bottleneck: {result['bottleneck']}")
     for rec in result["recommendations"]:
         print(f"  - {rec['action']}  (evidence: {rec['evidence']})")
-    for trial in result["trials"]:
-        print(f"  trial {trial['knob']} -> {trial['change']}: {trial['speedup_vs_current']:.2f}x")
+    for trial in result["trials"] + ([result["combined_trial"]] if result["combined_trial"] else []):
+        low, high = trial["speedup_range"]
+        print(f"  trial {trial['change']}: {trial['speedup']:.2f}x ({low:.2f}-{high:.2f})"
+              f"{' WIN' if trial['win'] else ''} {trial['note']}".rstrip())
     if tuned:
         print(f"  tuned (for the `auto` params): {tuned}")
     return 0

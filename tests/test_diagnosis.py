@@ -2,7 +2,9 @@
 
 import pytest
 
-from cnnpipe.diagnosis import (COMM_FRAC, INPUT_WAIT_FRAC, MEMORY_FRAC, SYNC_FRAC, Facts, diagnose)
+from cnnpipe.diagnosis import (COMM_FRAC, INPUT_WAIT_FRAC, MEMORY_FRAC, BUSY_FRAC, SYNC_COUNT, SYNC_FRAC, TENSOR_CORE_FRAC, Facts,
+                               diagnose)
+from cnnpipe.kernels import busy_fraction, is_matrix_kernel, is_tensor_core_kernel, tensor_core_share
 
 COMPUTE = {"data_wait": 0.0, "copy": 0.0, "augment": 0.0, "forward": 0.3, "backward": 0.6, "optimizer": 0.1,
            "sync": 0.0}
@@ -45,7 +47,9 @@ def test_small_batch_from_utilisation_or_measured_gain():
     assert diagnose(facts(utilization=0.49))[0] == "small_batch"
     assert diagnose(facts(batch_gain=1.15))[0] == "compute"
     label, recs = diagnose(facts(batch_gain=1.3, batch_size=8))
-    assert label == "small_batch" and "1.30x" in recs[0].expected_gain
+    assert label == "small_batch" and "1.30x" in recs[0].expected_gain and "batch 16" in recs[0].expected_gain
+    _, recs = diagnose(facts(batch_gain=1.3, batch_size=8, best_batch=32))
+    assert recs[0].evidence["throughput_gain_at_batch_32"] == 1.3 and "best 32" in recs[0].action
 
 
 def test_compute_advice_amp_and_layout():
@@ -59,3 +63,46 @@ def test_compute_advice_amp_and_layout():
 def test_input_outranks_everything_else():
     label, recs = diagnose(facts(fractions={"data_wait": 0.4, "sync": 0.2}, memory_frac=0.99, utilization=0.1))
     assert label == "input" and [r.bottleneck for r in recs][:4] == ["input", "host_sync", "memory", "small_batch"]
+
+
+def test_host_sync_count_names_the_bottleneck_on_cuda_only():
+    assert diagnose(facts(device="cuda", host_syncs_per_step=SYNC_COUNT - 0.1))[0] == "compute"
+    label, recs = diagnose(facts(device="cuda", host_syncs_per_step=SYNC_COUNT, utilization=BUSY_FRAC - 0.01))
+    assert label == "host_sync" and recs[0].evidence == {"host_syncs_per_step": SYNC_COUNT, "threshold": SYNC_COUNT,
+                                                         "gpu_busy_frac": BUSY_FRAC - 0.01}
+    # A GPU that stays busy despite the sync is not waiting on the host.
+    assert diagnose(facts(device="cuda", host_syncs_per_step=4, utilization=BUSY_FRAC))[0] == "compute"
+    # On the CPU a sync drains nothing: only measured sync time may blame it.
+    assert diagnose(facts(device="cpu", host_syncs_per_step=100))[0] == "compute"
+
+
+def test_matrix_work_off_tensor_cores_asks_for_amp_even_when_amp_is_on():
+    _, recs = diagnose(facts(device="cuda", amp="bf16", tensor_core_frac=TENSOR_CORE_FRAC - 0.01))
+    assert [r.knob for r in recs] == ["amp"] and recs[0].evidence["tensor_core_frac"] == pytest.approx(0.49)
+    _, recs = diagnose(facts(device="cuda", amp="bf16", tensor_core_frac=TENSOR_CORE_FRAC))
+    assert recs == []
+
+
+@pytest.mark.parametrize("name, matrix, tensor_core", [
+    ("volta_sgemm_128x64_nn", True, False),
+    ("ampere_sgemm_64x32_sliced1x4_nn", True, False),
+    ("void cudnn::detail::implicit_convolve_sgemm<float, float, 128, 5, 5>", True, False),
+    ("volta_h884gemm_64x64_ldg8_nn", True, True),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_nn", True, True),
+    ("sm80_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", True, True),
+    ("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize128x128x32_warpgroupsize1x1x1", True, True),
+    ("cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4", True, True),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float>>", False, False),
+    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1>", False, False),
+])
+def test_kernel_names_tell_tensor_core_work(name, matrix, tensor_core):
+    assert is_matrix_kernel(name) == matrix
+    assert is_tensor_core_kernel(name) == tensor_core
+
+
+def test_tensor_core_share_and_busy_fraction():
+    kernels = [("volta_sgemm_128x64_nn", 30.0), ("ampere_bf16_s16816gemm_bf16", 90.0), ("elementwise_kernel", 80.0)]
+    assert tensor_core_share(kernels) == pytest.approx(0.75)
+    assert tensor_core_share([("elementwise_kernel", 5.0)]) is None
+    assert busy_fraction(kernels, wall_us=400.0) == pytest.approx(0.5)
+    assert busy_fraction(kernels, wall_us=100.0) == 1.0 and busy_fraction([], 100.0) is None

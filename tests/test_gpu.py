@@ -7,7 +7,8 @@ from cnnpipe.config import load_params, resolve
 from cnnpipe.distributed import DistInfo
 from cnnpipe.monitor import GpuUtilSampler
 from cnnpipe.precision import grad_scaler, resolve_amp
-from cnnpipe.profiling import build_setup, profile_variant, timed_steps
+from cnnpipe.diagnosis import Facts, diagnose
+from cnnpipe.profiling import build_setup, profile_variant, timed_steps, trace_window
 from cnnpipe.data.prepare import prepare_fashion_mnist
 
 from conftest import tiny_params, write_params
@@ -34,7 +35,7 @@ def test_amp_and_channels_last_train_on_cuda(tmp_path, prepared, amp):
     assert (grad_scaler(amp, info.device) is not None) == (amp == "fp16")
     times, totals, _ = timed_steps(s, warmup=2, steps=3)
     assert all(t > 0 for t in times) and totals["forward"] > 0
-    assert next(s.model.parameters()).device.type == "cuda"
+    assert next(s.ctx.model.parameters()).device.type == "cuda"
 
 
 def test_auto_amp_on_cuda_prefers_bf16_on_ampere_or_newer():
@@ -42,10 +43,26 @@ def test_auto_amp_on_cuda_prefers_bf16_on_ampere_or_newer():
     assert resolve_amp("auto", torch.device("cuda", 0)) == ("bf16" if major >= 8 else "fp16")
 
 
-def test_profile_on_cuda_reports_memory_headroom(tmp_path, prepared):
+def test_profile_on_cuda_reports_memory_headroom_busy_time_and_tensor_cores(tmp_path, prepared):
     info = DistInfo(device=torch.device("cuda", 0))
-    result = profile_variant(cuda_config(tmp_path), info, prepared, tmp_path / "trace", False)
+    result = profile_variant(cuda_config(tmp_path, amp="bf16"), info, prepared, tmp_path / "trace", False)
     assert 0 < result["memory_frac"] < 1
+    assert 0 < result["gpu_busy_frac"] <= 1
+    assert result["tensor_core_frac"] is not None and result["tensor_core_frac"] > 0.5  # bf16 convs use them
+
+
+def test_item_every_step_is_host_sync_on_cuda(tmp_path, prepared):
+    """The scenario the CPU can only count: here each `.item()` drains the GPU's launch queue."""
+    from test_profile import ItemEveryStep
+
+    info = DistInfo(device=torch.device("cuda", 0))
+    s = build_setup(cuda_config(tmp_path, amp="bf16"), info, prepared)
+    s.ctx.model = ItemEveryStep(s.ctx.model)
+    traced = trace_window(s, tmp_path / "trace", "synced")
+    assert traced["host_syncs_per_step"] >= 1
+    facts = Facts(fractions={"forward": 0.5, "backward": 0.5}, device="cuda", amp="bf16", channels_last=True,
+                  host_syncs_per_step=traced["host_syncs_per_step"], utilization=traced["gpu_busy_frac"])
+    assert traced["gpu_busy_frac"] < 0.9 and diagnose(facts)[0] == "host_sync"  # a tiny model leaves it idle
 
 
 def test_nvml_utilisation_is_sampled():

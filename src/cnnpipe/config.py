@@ -130,13 +130,16 @@ class TrainConfig:
     """Autocast dtype; `auto` is bf16 where the hardware supports it fast, else fp16 on CUDA."""
     channels_last: bool | Literal["auto"] = "auto"
     """NHWC activations; `auto` takes the profile's measured winner (default true)."""
-    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune", "auto"] = "off"
+    """torch.compile mode; `auto`: `default` when the profile measured that it pays for its compile
+    time over this run's steps, else off."""
     loader: Literal["baseline", "fast", "auto"] = "auto"
     """`baseline`: per-sample PIL + torchvision transforms; `fast`: batched tensor augmentation;
     `auto`: the profile's measured winner (default fast)."""
     num_workers: int | Literal["auto"] = 0
     """Loader worker processes; `auto` takes the profile's measured winner (default 0)."""
-    pin_memory: bool = False
+    pin_memory: bool | Literal["auto"] = False
+    """Page-locked loader batches (CUDA only); `auto` takes the profile's measured winner (default true)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc: int = 1
     """Processes per node; > 1 relaunches the stage under torchrun."""
@@ -201,16 +204,24 @@ class ProfileConfig:
     wait: int = 1
     warmup: int = 2
     active: int = 4
-    trial_steps: int = 4
-    """Timed steps per tuning trial (after one warm-up step)."""
+    trial_steps: int = 2
+    """Timed steps per block of a tuning trial (each block starts with one untimed step)."""
+    trial_rounds: int = 3
+    """Interleaved current/candidate block pairs per trial; a win must hold in every round."""
+    min_gain: float = 0.05
+    """Speed-up a candidate must beat (median over rounds) to replace the current value."""
 
     def __post_init__(self) -> None:
         for key in ("wait", "warmup"):
             if getattr(self, key) < 0:
                 _fail(f"profile.{key}", getattr(self, key), "an integer >= 0")
-        for key in ("active", "trial_steps"):
+        for key in ("active", "trial_rounds"):
             if getattr(self, key) < 2:
                 _fail(f"profile.{key}", getattr(self, key), "an integer >= 2")
+        if self.trial_steps < 1:
+            _fail("profile.trial_steps", self.trial_steps, "an integer >= 1")
+        if not 0.0 <= self.min_gain < 1.0:
+            _fail("profile.min_gain", self.min_gain, "a fraction in [0, 1), e.g. 0.05 for 5%")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ SYNC_FRAC = 0.05
 MEMORY_FRAC = 0.90
 LOW_UTIL = 0.50
 BATCH_GAIN = 1.15  # throughput at 2x batch / at 1x batch above which the batch is "small"
+SYNC_COUNT = 1.0  # host syncs per step from which a CUDA step drains its launch queue every step...
+BUSY_FRAC = 0.90  # ...and the GPU busy fraction below which that drain shows as idle time
+TENSOR_CORE_FRAC = 0.5  # share of matrix-kernel time on Tensor Cores below which AMP is advised
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,10 @@ class Facts:
     batch_size: int = 64
     utilization: float | None = None  # GPU busy fraction, or CPU utilisation of the cores we use
     memory_frac: float | None = None  # peak memory / device memory
-    batch_gain: float | None = None  # throughput(2x batch) / throughput(batch), when measured
+    batch_gain: float | None = None  # throughput(best_batch) / throughput(batch_size), when measured
+    best_batch: int | None = None  # the largest batch whose doubling still paid, when measured
+    host_syncs_per_step: float | None = None  # device→host reads (.item(), .cpu(), `if t:`) per step
+    tensor_core_frac: float | None = None  # CUDA: share of matrix-kernel time in Tensor Core kernels
 
 
 @dataclass(frozen=True)
@@ -77,9 +83,26 @@ def _communication(f: Facts) -> Recommendation | None:
                           when=" if communication overlaps compute")
 
 
+_SYNC_ACTION = "remove per-step .item()/.cpu()/`if tensor:` calls; log accumulated tensors every N steps"
+
+
 def _host_sync(f: Facts) -> Recommendation | None:
-    return _fraction_rule(f, "sync", SYNC_FRAC, "host_sync",
-                          "remove per-step .item()/.cpu() calls; log accumulated tensors every N steps")
+    """Time spent waiting in sync points, or (CUDA) a sync every step while the GPU idles.
+
+    On the CPU ops run synchronously: a `.item()` costs about a microsecond and drains nothing,
+    so there only measured time can name this bottleneck; the count is reported as evidence.
+    """
+    timed = _fraction_rule(f, "sync", SYNC_FRAC, "host_sync", _SYNC_ACTION)
+    if timed is not None or f.device != "cuda":
+        return timed
+    n, busy = f.host_syncs_per_step, f.utilization
+    if n is None or n < SYNC_COUNT or (busy is not None and busy >= BUSY_FRAC):
+        return None
+    evidence = {"host_syncs_per_step": round(n, 2), "threshold": SYNC_COUNT}
+    if busy is not None:
+        evidence["gpu_busy_frac"] = round(busy, 4)
+    return Recommendation("host_sync", _SYNC_ACTION, evidence,
+                          "the GPU stops idling while the host waits at each sync")
 
 
 def _memory(f: Facts) -> Recommendation | None:
@@ -98,20 +121,25 @@ def _small_batch(f: Facts) -> Recommendation | None:
     evidence: dict[str, Any] = {"batch_size": f.batch_size}
     if f.utilization is not None:
         evidence["utilization"] = round(f.utilization, 4)
+    target = f.best_batch or 2 * f.batch_size
     if f.batch_gain is not None:
-        evidence["throughput_gain_at_2x_batch"] = round(f.batch_gain, 3)
-    return Recommendation("small_batch", f"raise train.batch_size (now {f.batch_size}) and scale the LR with it",
-                          evidence, f"{f.batch_gain:.2f}x measured at 2x batch" if f.batch_gain else "", "batch_size")
+        evidence[f"throughput_gain_at_batch_{target}"] = round(f.batch_gain, 3)
+    return Recommendation("small_batch", f"raise train.batch_size (now {f.batch_size}, measured best {target}) "
+                          "and scale the LR with it", evidence,
+                          f"{f.batch_gain:.2f}x measured at batch {target}" if f.batch_gain else "", "batch_size")
 
 
 def _compute(f: Facts) -> list[Recommendation]:
     """Compute-bound advice: cheaper math first (AMP), then memory layout."""
     recs = []
     compute = sum(f.fractions.get(k, 0.0) for k in ("forward", "backward", "optimizer"))
-    if f.amp == "off":
+    off_tc = f.tensor_core_frac is not None and f.tensor_core_frac < TENSOR_CORE_FRAC
+    if f.amp == "off" or off_tc:
+        evidence: dict[str, Any] = {"compute_frac": round(compute, 4), "amp": f.amp}
+        if f.tensor_core_frac is not None:
+            evidence["tensor_core_frac"] = round(f.tensor_core_frac, 4)
         recs.append(Recommendation("compute", "enable mixed precision (train.amp: bf16, or fp16 on older GPUs)",
-                                   {"compute_frac": round(compute, 4), "amp": f.amp},
-                                   "matrix work on bf16 units / Tensor Cores", "amp"))
+                                   evidence, "matrix work on bf16 units / Tensor Cores", "amp"))
     if not f.channels_last:
         recs.append(Recommendation("compute", "use channels_last memory format (train.channels_last: true)",
                                    {"compute_frac": round(compute, 4), "channels_last": False},

@@ -6,7 +6,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, ContextManager, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,61 @@ class StepContext:
     """Micro-batches per optimizer step."""
 
 
+Region = Callable[[str], ContextManager[None]]
+"""Wraps one phase of a step (copy, augment, forward, sync, backward, optimizer); the profiler times it."""
+
+
+def no_region(name: str) -> ContextManager[None]:
+    """The training loop's region: no timing, no profiler label."""
+    return contextlib.nullcontext()
+
+
+def micro_step(ctx: StepContext, images: torch.Tensor, labels: torch.Tensor, device_transform: Callable,
+               step: int, first: bool, last: bool, region: Region = no_region) -> torch.Tensor:
+    """One micro-batch of optimizer step `step`: copy, augment, forward, NaN guard and backward; the
+    window's first micro-batch sets the LR and clears gradients, its last one steps the optimizer.
+
+    `fit` and the profiler both run this function, so the profile measures the step that trains.
+    Returns the detached loss.
+    """
+    with region("copy"):
+        images = images.to(ctx.device, non_blocking=True)
+        labels = labels.to(ctx.device, non_blocking=True)
+    with region("augment"):
+        x = device_transform(images)
+        targets = None
+        if ctx.mixup is not None:  # soft targets, with label smoothing folded into them
+            x, targets = ctx.mixup(x, labels)
+    if first:
+        with region("optimizer"):
+            for group in ctx.optimizer.param_groups:
+                group["lr"] = ctx.lr_for_step(step)
+            ctx.optimizer.zero_grad(set_to_none=True)
+    with region("forward"):
+        with autocast(ctx.amp, ctx.device):
+            if targets is None:
+                loss = F.cross_entropy(ctx.model(x), labels, label_smoothing=ctx.label_smoothing)
+            else:
+                loss = _soft_target_ce(ctx.model(x).float(), targets)
+    with region("sync"):
+        # On the CPU this check is free; on CUDA it is a sync point, so only every 50 steps.
+        if (ctx.device.type != "cuda" or step % 50 == 0) and not math.isfinite(loss.item()):
+            raise NonFiniteLoss(f"loss is {loss.item()} at optimizer step {step} "
+                                f"(lr={ctx.lr_for_step(step):.4g})")
+    accum = max(1, ctx.accum_steps)
+    no_sync = getattr(ctx.model, "no_sync", None)  # DDP only: skip the all-reduce inside a window
+    with region("backward"):
+        scaled = loss / accum
+        with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
+            (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
+    if last:
+        with region("optimizer"):
+            _optimizer_step(ctx)
+            if ctx.ema is not None:
+                ctx.ema.update(unwrap(ctx.model), step=step)
+    return loss.detach()
+
+
 def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callable, start_step: int) -> EpochStats:
     """Train over `loader` once; `start_step` is the global optimizer step the epoch begins at."""
     ctx.model.train()
@@ -68,43 +123,20 @@ def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callab
     t_wait = time.perf_counter()
     accum = max(1, ctx.accum_steps)
     usable = (len(loader) // accum) * accum if hasattr(loader, "__len__") else None
-    lr = 0.0
-    no_sync = getattr(ctx.model, "no_sync", None)  # DDP only: skip the all-reduce inside a window
     for micro, (images, labels) in enumerate(loader):
         if usable is not None and micro >= usable:
             break  # a trailing partial accumulation window would step with fewer samples
         stats.data_wait_s += time.perf_counter() - t_wait  # time blocked on the loader
         t_step = time.perf_counter()
-        images = images.to(ctx.device, non_blocking=True)
-        labels = labels.to(ctx.device, non_blocking=True)
-        x = device_transform(images)
         first, last = micro % accum == 0, (micro + 1) % accum == 0
         if first:
-            lr = ctx.lr_for_step(step)
-            for group in ctx.optimizer.param_groups:
-                group["lr"] = lr
-            ctx.optimizer.zero_grad(set_to_none=True)
-        with autocast(ctx.amp, ctx.device):
-            if ctx.mixup is None:
-                loss = F.cross_entropy(ctx.model(x), labels, label_smoothing=ctx.label_smoothing)
-            else:  # mixup/cutmix: soft targets, with label smoothing folded into them
-                x, targets = ctx.mixup(x, labels)
-                loss = _soft_target_ce(ctx.model(x).float(), targets)
-        # On the CPU this check is free; on CUDA it is a sync point, so only every 50 steps.
-        if (not sync or step % 50 == 0) and not math.isfinite(loss.item()):
-            raise NonFiniteLoss(f"loss is {loss.item()} at optimizer step {step} (lr={lr:.4g})")
-        scaled = loss / accum
-        with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
-            (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
+            stats.lr_last = ctx.lr_for_step(step)
+        loss = micro_step(ctx, images, labels, device_transform, step, first, last)
         if last:
-            _optimizer_step(ctx)
-            if ctx.ema is not None:
-                ctx.ema.update(unwrap(ctx.model), step=step)
             step += 1
             stats.steps += 1
-        running += loss.detach() * labels.shape[0]
+        running += loss * labels.shape[0]
         stats.images += labels.shape[0]
-        stats.lr_last = lr
         stats.step_times.append(time.perf_counter() - t_step)
         t_wait = time.perf_counter()
     if sync:

@@ -55,24 +55,55 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
     for name, p in profiles.items():
         lines += ["", f"## {name}: bottleneck `{p['bottleneck']}`", "",
                   f"{p['device']}, {p['threads']} threads, amp={p['amp']}, batch {p['batch_size']}, "
-                  f"CPU utilisation {p['cpu_util']:.0%}, peak memory {p['peak_mem_mb']:.0f} MB.", ""]
+                  f"CPU utilisation {p['cpu_util']:.0%}, peak memory {p['peak_mem_mb']:.0f} MB, "
+                  f"{_syncs(p)}{_gpu_facts(p)}.", ""]
         for rec in p["recommendations"]:
             measured = rec.get("measured")
             lines.append(f"- **{rec['action']}** — evidence: `{json.dumps(rec['evidence'])}`"
                          + (f"; expected: {rec['expected_gain']}" if rec["expected_gain"] else "")
                          + (f"; measured: {measured['before_img_s']:.0f} → {measured['after_img_s']:.0f} img/s "
                             f"({measured['speedup']:.2f}x)" if measured else ""))
-        if p["trials"]:
-            lines += ["", "| Trial (one knob changed) | Throughput | vs current |", "| --- | ---: | ---: |",
-                      f"| current settings | {p['throughput_img_s']:.0f} img/s | 1.00x |"]
-            for t in p["trials"]:
+        trials = p["trials"] + ([p["combined_trial"]] if p.get("combined_trial") else [])
+        if trials:
+            lines += ["", f"Trials: blocks of the current and the candidate setting alternate "
+                          f"(median of {p.get('trial_rounds', '?')} rounds, range in brackets); a candidate "
+                          f"wins when it is ≥{p['min_gain']:.0%} faster at the median and faster in every round.",
+                      "", "| Candidate | Current → candidate | Speed-up | Wins | Note |",
+                      "| --- | ---: | ---: | :---: | --- |"]
+            for t in trials:
                 change = ", ".join(f"{k}={v}" for k, v in t["change"].items())
-                lines.append(f"| {change} | {t['throughput_img_s']:.0f} img/s | {t['speedup_vs_current']:.2f}x |")
+                if t["knob"] in ("combined", "recommended"):
+                    change = f"**{t['knob']}**: {change}"
+                low, high = t["speedup_range"]
+                speed = (f"{t['before_img_s']:.0f} → {t['after_img_s']:.0f} img/s" if t["speedup"] else "—")
+                ratio = f"{t['speedup']:.2f}x ({low:.2f}–{high:.2f})" if t["speedup"] else "—"
+                lines.append(f"| {change} | {speed} | {ratio} | {'yes' if t['win'] else 'no'} | {t['note']} |")
+        if p.get("tuned_for_auto"):
+            lines += ["", "Values for the params left at `auto`: `" + json.dumps(p["tuned_for_auto"]) + "`."]
     lines += ["", "## Opening the traces", "",
               "```", "tensorboard --logdir logs/profile   # PyTorch Profiler tab (torch-tb-profiler)", "```", "",
               "Or load a `logs/profile/<variant>/*.pt.trace.json` file in https://ui.perfetto.dev.",
               "The figures above come from an un-profiled timed run (the profiler's overhead is not in them).", ""]
     return "\n".join(lines)
+
+
+def _syncs(p: dict[str, Any]) -> str:
+    n = p["host_syncs_per_step"]
+    if p["device"] == "cuda":
+        return f"{n:.0f} host syncs per step"
+    return f"{n:.0f} scalar reads to Python per step (`.item()`; ~1 µs each on the CPU, where nothing waits)"
+
+
+def _gpu_facts(p: dict[str, Any]) -> str:
+    """CUDA-only readings, when the profile has them."""
+    parts = []
+    if p.get("gpu_busy_frac") is not None:
+        parts.append(f"GPU busy {p['gpu_busy_frac']:.0%}")
+    if p.get("tensor_core_frac") is not None:
+        parts.append(f"{p['tensor_core_frac']:.0%} of matrix-kernel time on Tensor Cores")
+    if p.get("memory_frac") is not None:
+        parts.append(f"memory {p['memory_frac']:.0%} of the device")
+    return (", " + ", ".join(parts)) if parts else ""
 
 
 def write_report(profile_dir: Path, variants: list[str]) -> Path:

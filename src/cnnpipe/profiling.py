@@ -2,7 +2,8 @@
 
 Figures come from an un-profiled timed run (region timers only, synchronised on CUDA) so that the
 profiler's own overhead stays out of them; the `torch.profiler` window that follows exists to
-produce the trace for TensorBoard/Perfetto.
+produce the trace for TensorBoard/Perfetto (and to count host syncs). Every step here is the
+engine's own `micro_step`, so what is profiled is what trains.
 """
 
 from __future__ import annotations
@@ -18,56 +19,69 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from .config import RunConfig
 from .data.loaders import TrainLoader
 from .diagnosis import Facts, diagnose
 from .distributed import DistInfo
+from .engine import StepContext, micro_step, no_region
+from .kernels import busy_fraction, tensor_core_share
 from .monitor import peak_mem_mb
-from .precision import autocast
 from .schedule import scaled_lr
-from .trainer import build_training
+from .trainer import build_training, step_context
 from .tuning import auto_knobs, resolve_auto
 
 REGIONS = ("data_wait", "copy", "augment", "forward", "backward", "optimizer", "sync")
+SYNC_EVENTS = {
+    # every `.item()`, `.tolist()` or `if tensor:` reads a scalar back to Python through this op
+    "cpu": ("aten::_local_scalar_dense",),
+    # on CUDA only the runtime's blocking calls are syncs (a scalar read of a CPU tensor is not)
+    "cuda": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+}
 
 
 class RegionTimer:
     """Accumulates wall time per named region; each region is also a profiler label."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, sync: bool = True) -> None:
+        self.device = device if sync else torch.device("cpu")  # `sync=False`: labels only (the trace)
         self.totals: dict[str, float] = {r: 0.0 for r in REGIONS}
         self.enabled = True
 
     @contextlib.contextmanager
     def region(self, name: str) -> Iterator[None]:
         with record_function(name):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # attribute GPU work to the region that queued it
+            _sync(self.device)  # attribute GPU work to the region that queued it
             t0 = time.perf_counter()
             yield
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            _sync(self.device)
             if self.enabled:
                 self.totals[name] += time.perf_counter() - t0
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass
 class Setup:
-    """A ready-to-step training configuration (model, optimizer, loader) for one variant."""
+    """A ready-to-step training configuration (engine context and loader) for one variant."""
 
     cfg: RunConfig
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    ctx: StepContext
     loader: TrainLoader
-    amp: str
-    scaler: Any
-    device: torch.device
+    images_per_step: int
+    steps_per_epoch: int
+    step: int = 0
     _iter: Iterator | None = None
     _epoch: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
 
     def next_batch(self):
         if self._iter is None:
@@ -82,40 +96,27 @@ class Setup:
 
 
 def build_setup(cfg: RunConfig, info: DistInfo, prepared_dir: Path) -> Setup:
-    """Model, optimizer and loader built by the same code as `fit`."""
+    """Model, optimizer and loader built by the same code as `fit`, at a small constant LR."""
     cfg = resolve_auto(cfg, info.device)
     torch.manual_seed(cfg.seed)
+    t = cfg.train
     parts = build_training(cfg, info, prepared_dir)
-    peak_lr = scaled_lr(cfg.train.lr, cfg.train.batch_size * info.world_size)
-    for group in parts.optimizer.param_groups:
-        group["lr"] = peak_lr * 0.1  # a small constant LR: the profile measures speed, not learning
-    return Setup(cfg, parts.model, parts.optimizer, parts.loader, parts.amp, parts.scaler, info.device)
+    lr = scaled_lr(t.lr, t.batch_size * info.world_size * t.accum_steps) * 0.1  # speed, not learning
+    ctx, _ = step_context(cfg, parts, info, lambda step: lr)
+    ctx.model.train()
+    return Setup(cfg, ctx, parts.loader, t.batch_size * info.world_size * t.accum_steps,
+                 max(1, len(parts.loader) // t.accum_steps))
 
 
-def train_step(s: Setup, timer: RegionTimer) -> None:
-    """One training step with every phase in its own timed, labelled region."""
-    s.model.train()
-    with timer.region("data_wait"):
-        images, labels = s.next_batch()
-    with timer.region("copy"):
-        images = images.to(s.device, non_blocking=True)
-        labels = labels.to(s.device, non_blocking=True)
-    with timer.region("augment"):
-        x = s.loader.device_transform(images)
-    with timer.region("forward"):
-        with autocast(s.amp, s.device):
-            loss = F.cross_entropy(s.model(x), labels, label_smoothing=s.cfg.train.label_smoothing)
-    with timer.region("backward"):
-        (s.scaler.scale(loss) if s.scaler is not None else loss).backward()
-    with timer.region("optimizer"):
-        if s.scaler is not None:
-            s.scaler.step(s.optimizer)
-            s.scaler.update()
-        else:
-            s.optimizer.step()
-        s.optimizer.zero_grad(set_to_none=True)
-    with timer.region("sync"):
-        loss.item()  # the trainer's NaN guard reads the loss; on CUDA this is the step's sync point
+def train_step(s: Setup, timer: RegionTimer | None = None) -> None:
+    """One optimizer step (all its micro-batches), each phase in its own region when `timer` is given."""
+    region = timer.region if timer is not None else no_region
+    accum = s.cfg.train.accum_steps
+    for micro in range(accum):
+        with region("data_wait"):
+            images, labels = s.next_batch()
+        micro_step(s.ctx, images, labels, s.loader.device_transform, s.step, micro == 0, micro == accum - 1, region)
+    s.step += 1
 
 
 def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[str, float], float]:
@@ -140,36 +141,43 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def trace_window(s: Setup, cfg: RunConfig, trace_dir: Path, worker: str) -> None:
-    """Run the torch.profiler schedule (wait, warmup, active) and write one TensorBoard trace."""
+def trace_window(s: Setup, trace_dir: Path, worker: str) -> dict[str, float | None]:
+    """Run the torch.profiler schedule (wait, warmup, active) and write one TensorBoard trace.
+
+    Returns what only the trace can tell: host syncs per step (on the CPU: scalar reads to Python,
+    which cost about a microsecond there) and, on CUDA, the GPU busy fraction
+    and the Tensor Core share of matrix-kernel time (both taken over the active steps, under the
+    profiler, so the busy fraction is a slight underestimate).
+    """
     trace_dir.mkdir(parents=True, exist_ok=True)
     for stale in trace_dir.glob("*.pt.trace.json*"):
         stale.unlink()  # one trace per worker: no stray files from earlier runs
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device.type == "cuda" else [])
-    p = cfg.profile
-    timer = RegionTimer(s.device)
+    p = s.cfg.profile
+    timer = RegionTimer(s.device, sync=False)  # the trace shows the real overlap; syncs would be counted
     with profile(activities=activities, schedule=schedule(wait=p.wait, warmup=p.warmup, active=p.active, repeat=1),
                  on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=worker),
                  record_shapes=True, profile_memory=True) as prof:
-        for _ in range(p.wait + p.warmup + p.active):
+        for i in range(p.wait + p.warmup + p.active):
+            if i == p.wait + p.warmup:
+                _sync(s.device)
+                t_active = time.perf_counter()
             train_step(s, timer)
             prof.step()
+        _sync(s.device)
+        wall_us = (time.perf_counter() - t_active) * 1e6
+    events = prof.key_averages()
+    kernels = [(e.key, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA]
+    sync_events = SYNC_EVENTS["cuda" if s.device.type == "cuda" else "cpu"]
+    return {"host_syncs_per_step": sum(e.count for e in events if e.key in sync_events) / p.active,
+            "gpu_busy_frac": busy_fraction(kernels, wall_us) if s.device.type == "cuda" else None,
+            "tensor_core_frac": tensor_core_share(kernels) if s.device.type == "cuda" else None}
 
 
 def fractions(totals: dict[str, float]) -> dict[str, float]:
     """Region totals → fractions of their sum (so they add up to 1)."""
     total = sum(totals.values()) or 1.0
     return {k: v / total for k, v in totals.items()}
-
-
-def measure(cfg: RunConfig, info: DistInfo, prepared_dir: Path, steps: int) -> dict[str, Any]:
-    """Median step time, throughput and breakdown of `cfg` over `steps` un-profiled steps."""
-    s = build_setup(cfg, info, prepared_dir)
-    times, totals, cpu_util = timed_steps(s, warmup=1, steps=steps)
-    med = statistics.median(times)
-    return {"step_time_median_s": med, "step_time_iqr_s": _iqr(times), "steps": len(times),
-            "throughput_img_s": cfg.train.batch_size * info.world_size / med,
-            "fractions": fractions(totals), "cpu_util": cpu_util, "setup": s}
 
 
 def _iqr(values: list[float]) -> float:
@@ -179,91 +187,272 @@ def _iqr(values: list[float]) -> float:
     return q[2] - q[0]
 
 
-def trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, base: dict[str, Any],
-           tune_workers: bool = False) -> list[dict[str, Any]]:
-    """Flip each knob of `cfg` in turn and measure it against `base` (same steps, same data)."""
-    t = cfg.train
-    knobs: list[tuple[str, dict[str, Any]]] = [
-        ("amp", {"amp": "off" if t.amp != "off" else "bf16"}),
-        ("channels_last", {"channels_last": not t.channels_last}),
-        ("batch_size", {"batch_size": t.batch_size * 2}),
-        ("loader", {"loader": "fast" if t.loader == "baseline" else "baseline"}),
-    ]
-    if tune_workers:
-        cores = os.cpu_count() or 1
-        knobs.append(("num_workers", {"num_workers": 0 if t.num_workers else min(2, cores)}))
+# ---- measured tuning -------------------------------------------------------------------------
+
+@dataclass
+class Trial:
+    """One candidate setting measured against the current one, interleaved in the same run."""
+
+    knob: str
+    change: dict[str, Any]
+    speedup: float = 0.0
+    """Median over rounds of candidate/current throughput."""
+    speedup_range: tuple[float, float] = (0.0, 0.0)
+    before_img_s: float = 0.0
+    after_img_s: float = 0.0
+    win: bool = False
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"knob": self.knob, "change": self.change, "speedup": self.speedup,
+                "speedup_range": list(self.speedup_range), "before_img_s": self.before_img_s,
+                "after_img_s": self.after_img_s, "win": self.win, "note": self.note}
+
+
+def _block(s: Setup, steps: int) -> list[float]:
+    """`steps` timed steps after one untimed step that re-warms caches and the loader after a switch."""
+    train_step(s)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        train_step(s)
+        _sync(s.device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def paired_trial(knob: str, change: dict[str, Any], current: Setup, candidate: Setup, rounds: int, steps: int,
+                 min_gain: float) -> Trial:
+    """Interleave blocks of `current` and `candidate` (ABBA order, so drift hits both alike).
+
+    This VM's speed drifts by tens of percent over minutes; a ratio per round of neighbouring
+    blocks cancels that, and a win must beat `min_gain` at the median and hold in every round.
+    A candidate slower in any of the first two rounds can no longer win, so it stops there.
+    """
+    ratios, before, after = [], [], []
+    for r in range(rounds):
+        pair = (current, candidate) if r % 2 == 0 else (candidate, current)
+        times = {id(s): _block(s, steps) for s in pair}
+        a, b = statistics.median(times[id(current)]), statistics.median(times[id(candidate)])
+        before.append(current.images_per_step / a)
+        after.append(candidate.images_per_step / b)
+        ratios.append(after[-1] / before[-1])
+        if len(ratios) >= 2 and min(ratios) <= 1.0:
+            break
+    speedup = statistics.median(ratios)
+    note = f"stopped after {len(ratios)} rounds: slower in one" if len(ratios) < rounds else ""
+    return Trial(knob, change, speedup, (min(ratios), max(ratios)), statistics.median(before),
+                 statistics.median(after), win=speedup >= 1 + min_gain and min(ratios) > 1.0, note=note)
+
+
+def _changed(cfg: RunConfig, change: dict[str, Any]) -> RunConfig:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **change))
+
+
+def candidates(cfg: RunConfig, requested: RunConfig, device: torch.device,
+               recommended: set[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(knob, change) pairs to measure: every `auto` knob, plus the knobs the diagnosis points at.
+
+    amp, channels_last and the loader are always measured (cheap, and the report shows each one's
+    gain over its hand setting); workers, pin_memory and compile only when asked for.
+    """
+    t, auto = cfg.train, set(auto_knobs(requested))
+    out: list[tuple[str, dict[str, Any]]] = []
+    amps = ["off", "bf16"] + (["fp16"] if device.type == "cuda" else [])
+    out += [("amp", {"amp": a}) for a in amps if a != t.amp]
+    out.append(("channels_last", {"channels_last": not t.channels_last}))
+    out.append(("loader", {"loader": "fast" if t.loader == "baseline" else "baseline"}))
+    if "num_workers" in auto or "num_workers" in recommended:
+        cores = len(os.sched_getaffinity(0))
+        options = sorted({n for n in (1, 2, 4, 8, cores) if n <= cores} | {0})
+        out += [("num_workers", {"num_workers": n}) for n in options if n != t.num_workers]
+    if device.type == "cuda" and ("pin_memory" in auto or "num_workers" in recommended):
+        out.append(("pin_memory", {"pin_memory": not t.pin_memory}))
+    if "compile" in auto and t.compile == "off":
+        out.append(("compile", {"compile": "default"}))
+    return out
+
+
+def run_trials(cfg: RunConfig, requested: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup,
+               recommended: set[str]) -> list[Trial]:
+    """Measure each candidate against `current`, then grow the batch while it pays."""
+    p = cfg.profile
     results = []
-    for knob, change in knobs:
-        trial_cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, **change))
-        m = measure(trial_cfg, info, prepared_dir, cfg.profile.trial_steps)
-        m.pop("setup")
-        results.append({"knob": knob, "change": {k: str(v) for k, v in change.items()},
-                        "throughput_img_s": m["throughput_img_s"], "step_time_median_s": m["step_time_median_s"],
-                        "speedup_vs_current": m["throughput_img_s"] / base["throughput_img_s"],
-                        "data_wait_frac": m["fractions"]["data_wait"]})
+    for knob, change in candidates(cfg, requested, info.device, recommended):
+        if knob == "compile":
+            results.append(compile_trial(cfg, info, prepared_dir, current))
+            continue
+        candidate = build_setup(_changed(cfg, change), info, prepared_dir)
+        results.append(paired_trial(knob, change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain))
+        del candidate
+    results += batch_trials(cfg, info, prepared_dir, current)
     return results
 
 
-def tuned_settings(requested: RunConfig, current: RunConfig, trial_results: list[dict[str, Any]]) -> dict[str, Any]:
-    """A value for each knob `requested` leaves at `auto`: the trial's when it beat the default by 3%."""
-    tuned: dict[str, Any] = {}
-    for knob in auto_knobs(requested):
-        value = getattr(current.train, knob)
-        trial = next((r for r in trial_results if r["knob"] == knob), None)
-        if trial is not None and trial["speedup_vs_current"] > 1.03:
-            value = trial["change"][knob]
-            value = {"True": True, "False": False}.get(value, value)
-            value = int(value) if knob == "num_workers" else value
-        tuned[knob] = value
+def batch_trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup,
+                 max_doublings: int = 2) -> list[Trial]:
+    """Double the batch while each doubling adds `min_gain`, memory stays under 90% and nothing OOMs."""
+    p, results, previous = cfg.profile, [], None
+    for k in range(1, max_doublings + 1):
+        change = {"batch_size": cfg.train.batch_size * 2 ** k}
+        try:
+            candidate = build_setup(_changed(cfg, change), info, prepared_dir)
+            trial = paired_trial("batch_size", change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+            del candidate
+        except torch.OutOfMemoryError:
+            results.append(Trial("batch_size", change, note="out of memory"))
+            break
+        finally:
+            if info.device.type == "cuda":
+                torch.cuda.empty_cache()
+        if info.device.type == "cuda":
+            used = torch.cuda.max_memory_allocated(info.device) / torch.cuda.get_device_properties(info.device).total_memory
+            if used > 0.9:
+                trial.win, trial.note = False, f"peak memory {used:.0%} of the device"
+        if previous is not None and trial.win and trial.speedup < previous.speedup * (1 + p.min_gain):
+            trial.win = False
+            trial.note = f"under {p.min_gain:.0%} more than batch {previous.change['batch_size']}"
+        results.append(trial)
+        if not trial.win:
+            break
+        previous = trial
+    return results
+
+
+def compile_trial(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup) -> Trial:
+    """torch.compile, judged over the whole run: the per-step gain must repay the compile time."""
+    p, change = cfg.profile, {"compile": "default"}
+    try:
+        candidate = build_setup(_changed(cfg, change), info, prepared_dir)
+        t0 = time.perf_counter()
+        train_step(candidate)  # compiles forward and backward
+        _sync(info.device)
+        first_step_s = time.perf_counter() - t0
+        trial = paired_trial("compile", change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+    except Exception as exc:  # inductor needs a C++ compiler (CPU) or Triton (CUDA); report, do not fail
+        return Trial("compile", change, note=f"compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+    step_eager = current.images_per_step / trial.before_img_s
+    step_compiled = candidate.images_per_step / trial.after_img_s
+    compile_s = max(0.0, first_step_s - step_compiled)
+    total_steps = cfg.train.epochs * current.steps_per_epoch
+    run_gain = (step_eager * total_steps) / (step_compiled * total_steps + compile_s)
+    trial.note = (f"compile took {compile_s:.0f} s; {run_gain:.2f}x over the run's {total_steps} steps "
+                  f"(per step {trial.speedup:.2f}x)")
+    trial.win = trial.win and run_gain >= 1 + p.min_gain
+    return trial
+
+
+def tuned_settings(requested: RunConfig, current: RunConfig, results: list[Trial]) -> dict[str, Any]:
+    """A value for each knob `requested` leaves at `auto`: the best winning trial's, else the default."""
+    tuned = {knob: getattr(current.train, knob) for knob in auto_knobs(requested)}
+    for knob in tuned:
+        wins = [t for t in results if t.knob == knob and t.win]
+        if wins:
+            tuned[knob] = max(wins, key=lambda t: t.speedup).change[knob]
     return tuned
 
 
+def confirm_combined(requested: RunConfig, current: RunConfig, info: DistInfo, prepared_dir: Path,
+                     base: Setup, results: list[Trial], tuned: dict[str, Any]) -> tuple[dict[str, Any], Trial | None]:
+    """Knobs that each won alone are measured together; when the mix does not win, only the best
+    single change is kept (so the recipe never ships an unmeasured combination)."""
+    changed = {k: v for k, v in tuned.items() if v != getattr(current.train, k)}
+    if len(changed) < 2:
+        return tuned, None
+    p = current.profile
+    candidate = build_setup(_changed(current, changed), info, prepared_dir)
+    combined = paired_trial("combined", changed, base, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+    if combined.win:
+        return tuned, combined
+    best = max((t for t in results if t.win and t.knob in changed), key=lambda t: t.speedup)
+    combined.note = f"the mix did not win; kept only {best.knob}={best.change[best.knob]}"
+    kept = {k: (best.change[k] if k == best.knob else getattr(current.train, k)) for k in tuned}
+    return kept, combined
+
+
+def recommended_together(cfg: RunConfig, info: DistInfo, prepared_dir: Path, base: Setup, results: list[Trial],
+                         knobs: list[str]) -> Trial | None:
+    """The recommended knobs applied at once: they interact (bf16 convolutions want NHWC in oneDNN
+    and cuDNN), so the sum of one-at-a-time gains understates what following the advice buys."""
+    together = {}
+    for knob in knobs:
+        measured = [t for t in results if t.knob == knob and t.speedup]
+        if measured and knob not in together:
+            together.update(max(measured, key=lambda t: t.speedup).change)
+    if len(together) < 2:
+        return None
+    p = cfg.profile
+    candidate = build_setup(_changed(cfg, together), info, prepared_dir)
+    return paired_trial("recommended", together, base, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+
+
+# ---- the stage -------------------------------------------------------------------------------
+
 def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, trace_dir: Path,
-                    run_trials: bool) -> dict[str, Any]:
+                    with_trials: bool) -> dict[str, Any]:
     """Everything metrics/profile/<variant>.json holds (`tuned`: values for the `auto` knobs)."""
     cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
-    base = measure(cfg, info, prepared_dir, max(cfg.profile.active, cfg.profile.trial_steps))
-    setup = base.pop("setup")
-    trace_window(setup, cfg, trace_dir, worker=f"{cfg.variant}_rank{info.rank}")
-    batch_gain = None
-    trial_results: list[dict[str, Any]] = []
-    if run_trials:
-        trial_results = trials(cfg, info, prepared_dir, base, tune_workers="num_workers" in auto_knobs(requested))
-        batch_gain = next(r["speedup_vs_current"] for r in trial_results if r["knob"] == "batch_size")
-    util = base["cpu_util"] if info.device.type == "cpu" else None
+    p, t = cfg.profile, cfg.train
+    base = build_setup(cfg, info, prepared_dir)
+    times, totals, cpu_util = timed_steps(base, warmup=1, steps=max(p.active, p.trial_steps * p.trial_rounds))
+    step_s = statistics.median(times)
+    traced = trace_window(base, trace_dir, worker=f"{cfg.variant}_rank{info.rank}")
     mem_frac = None
     if info.device.type == "cuda":
         mem_frac = torch.cuda.max_memory_allocated(info.device) / torch.cuda.get_device_properties(info.device).total_memory
-    t = cfg.train
-    facts = Facts(fractions=base["fractions"], device=info.device.type, amp=setup.amp,
-                  channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers,
-                  batch_size=t.batch_size, utilization=util, memory_frac=mem_frac, batch_gain=batch_gain)
+    facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,
+                  channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=t.batch_size,
+                  utilization=cpu_util if info.device.type == "cpu" else traced["gpu_busy_frac"],
+                  memory_frac=mem_frac, host_syncs_per_step=traced["host_syncs_per_step"],
+                  tensor_core_frac=traced["tensor_core_frac"])
+    results: list[Trial] = []
+    tuned = {k: getattr(t, k) for k in auto_knobs(requested)}
+    combined = None
+    if with_trials:
+        recommended = {r.knob for r in diagnose(facts)[1] if r.knob}
+        results = run_trials(cfg, requested, info, prepared_dir, base, recommended)
+        batch = [r for r in results if r.knob == "batch_size" and r.speedup]
+        wins = [r for r in batch if r.win]
+        best = wins[-1] if wins else (batch[0] if batch else None)
+        facts = dataclasses.replace(facts, batch_gain=best.speedup if best else None,
+                                    best_batch=best.change["batch_size"] if best else None)
+        tuned, combined = confirm_combined(requested, cfg, info, prepared_dir, base, results,
+                                           tuned_settings(requested, cfg, results))
     label, recs = diagnose(facts)
+    if with_trials and combined is None:
+        combined = recommended_together(cfg, info, prepared_dir, base, results,
+                                        [r.knob for r in recs if r.knob and r.knob != "batch_size"])
     rec_dicts = []
     for rec in recs:
         entry = rec.to_dict()
-        trial = next((r for r in trial_results if r["knob"] == rec.knob), None)
-        if trial is not None:  # the recommendation's knob was measured: before/after numbers
-            entry["measured"] = {"before_img_s": base["throughput_img_s"], "after_img_s": trial["throughput_img_s"],
-                                 "speedup": trial["speedup_vs_current"], "change": trial["change"]}
+        measured = [r for r in results if r.knob == rec.knob and r.speedup]
+        if measured:  # the recommendation's knob was measured: before/after numbers from the same run
+            best = max(measured, key=lambda r: r.speedup)
+            entry["measured"] = {"before_img_s": best.before_img_s, "after_img_s": best.after_img_s,
+                                 "speedup": best.speedup, "change": best.change, "win": best.win}
         rec_dicts.append(entry)
     return {
         "variant": cfg.variant,
         "device": info.device.type,
         "threads": torch.get_num_threads(),
-        "amp": setup.amp,
+        "amp": base.ctx.amp,
         "batch_size": t.batch_size,
-        "step_time_median_s": base["step_time_median_s"],
-        "step_time_iqr_s": base["step_time_iqr_s"],
-        "steps_timed": base["steps"],
-        "throughput_img_s": base["throughput_img_s"],
-        "fractions": base["fractions"],
-        "cpu_util": base["cpu_util"],
+        "step_time_median_s": step_s,
+        "step_time_iqr_s": _iqr(times),
+        "steps_timed": len(times),
+        "throughput_img_s": base.images_per_step / step_s,
+        "fractions": facts.fractions,
+        "cpu_util": cpu_util,
+        **traced,
         "peak_mem_mb": peak_mem_mb(info.device),
         "memory_frac": mem_frac,
         "bottleneck": label,
         "recommendations": rec_dicts,
-        "trials": trial_results,
-        "tuned": tuned_settings(requested, cfg, trial_results),
+        "trials": [r.to_dict() for r in results],
+        "combined_trial": combined.to_dict() if combined else None,
+        "min_gain": p.min_gain,
+        "trial_rounds": p.trial_rounds,
+        "tuned_for_auto": tuned,
+        "tuned": tuned,
         "trace_dir": str(trace_dir),
     }

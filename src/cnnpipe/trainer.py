@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -95,6 +95,31 @@ def build_training(cfg: RunConfig, info: DistInfo, prepared_dir: Path) -> Traini
         rank=info.rank, world_size=info.world_size, num_workers=t.num_workers, pin_memory=t.pin_memory,
         channels_last=t.channels_last)
     return TrainingParts(split, model, init, mean, std, amp, optimizer, grad_scaler(amp, info.device), aug, loader)
+
+
+def step_context(cfg: RunConfig, parts: TrainingParts, info: DistInfo, lr_for_step: Callable[[int], float],
+                 ema: torch.nn.Module | None = None) -> tuple[StepContext, torch.nn.Module]:
+    """The step's context (DDP, compile and mixup applied) and the model to evaluate and save.
+
+    With SyncBN the returned model is the converted one; it shares parameters with `parts.model`.
+    """
+    t = cfg.train
+    model = parts.model
+    train_model: torch.nn.Module = model
+    if info.distributed:
+        if t.sync_bn:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        device_ids = [info.device.index] if info.device.type == "cuda" else None
+        train_model = DistributedDataParallel(model, device_ids=device_ids)
+    if t.compile != "off":
+        train_model = torch.compile(train_model, mode=None if t.compile == "default" else t.compile)
+    mixup = None
+    if t.mixup_alpha or t.cutmix_alpha:
+        mixup = Mixup(mixup_alpha=t.mixup_alpha, cutmix_alpha=t.cutmix_alpha, label_smoothing=t.label_smoothing,
+                      num_classes=parts.split.num_classes)
+    ctx = StepContext(train_model, parts.optimizer, info.device, parts.amp, t.label_smoothing, parts.scaler,
+                      t.grad_clip, lr_for_step, ema, mixup, t.accum_steps)
+    return ctx, model
 
 
 class _Live:
@@ -189,20 +214,7 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
             if info.is_primary:
                 print(f"train[{cfg.variant}]: resuming from {last_path} after epoch {start_epoch}/{t.epochs}")
 
-    # ---- wrap
-    train_model: torch.nn.Module = model
-    if info.distributed:
-        if t.sync_bn:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # parameters are shared, not copied
-        train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if t.compile != "off":
-        train_model = torch.compile(train_model, mode=None if t.compile == "default" else t.compile)
-    mixup = None
-    if t.mixup_alpha or t.cutmix_alpha:
-        mixup = Mixup(mixup_alpha=t.mixup_alpha, cutmix_alpha=t.cutmix_alpha, label_smoothing=t.label_smoothing,
-                      num_classes=train_split.num_classes)
-    ctx = StepContext(train_model, optimizer, device, amp, t.label_smoothing, scaler, t.grad_clip,
-                      lr_for_step, ema, mixup, t.accum_steps)
+    ctx, model = step_context(cfg, parts, info, lr_for_step, ema)
     live = _Live(live_dir if info.is_primary else None, resume=resumed_from is not None and resumed_from > 0)
     gpu = GpuUtilSampler(device)
 

@@ -17,7 +17,7 @@ import yaml
 from .config import RunConfig
 from .precision import resolve_amp
 
-TUNABLE = ("amp", "channels_last", "loader", "num_workers")
+TUNABLE = ("amp", "channels_last", "loader", "num_workers", "pin_memory", "compile")
 
 
 def auto_knobs(cfg: RunConfig) -> list[str]:
@@ -27,7 +27,9 @@ def auto_knobs(cfg: RunConfig) -> list[str]:
 
 def default_for(knob: str, device: torch.device) -> Any:
     """What `auto` means when no measurement is available."""
-    return {"amp": resolve_amp("auto", device), "channels_last": True, "loader": "fast", "num_workers": 0}[knob]
+    defaults = {"amp": resolve_amp("auto", device), "channels_last": True, "loader": "fast", "num_workers": 0,
+                "pin_memory": True, "compile": "off"}
+    return defaults[knob]
 
 
 def read_tuned(path: Path | None) -> dict[str, Any]:
