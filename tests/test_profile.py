@@ -219,3 +219,52 @@ def test_compile_is_judged_over_the_whole_run(tmp_path, prepared):
         assert trial.speedup > 0 and "compile took" in trial.note
         assert trial.win == (trial.speedup >= 1 + cfg.profile.min_gain and trial.speedup_range[0] > 1.0
                              and run_gain >= 1 + cfg.profile.min_gain)
+
+
+def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(monkeypatch, tmp_path):
+    import cnnpipe.profiling as prof
+
+    cfg = resolve_auto(config(tmp_path, batch_size=16), torch.device("cpu"))
+    speeds = iter([1.10, 1.12, 1.5])  # vs the current batch: x2 pays, x4 adds under 5% over x2
+
+    def fake_trial(knob, change, current, candidate, rounds, steps, min_gain):
+        s = next(speeds)
+        return Trial(knob, change, s, (s - 0.01, s + 0.01), 100.0, 100.0 * s, win=s >= 1 + min_gain)
+
+    monkeypatch.setattr(prof, "build_setup", lambda *a: object())
+    monkeypatch.setattr(prof, "paired_trial", fake_trial)
+    grown = prof.batch_trials(cfg, DistInfo(), tmp_path, current=None, max_doublings=3)
+    assert [t.change["batch_size"] for t in grown] == [32, 64]
+    assert grown[0].win and not grown[1].win and "batch 32" in grown[1].note
+
+    def oom(*a):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(prof, "build_setup", oom)
+    (only,) = prof.batch_trials(cfg, DistInfo(), tmp_path, current=None)
+    assert not only.win and only.note == "out of memory" and only.change == {"batch_size": 32}
+
+
+@pytest.mark.parametrize("candidate_times, rounds_run, win", [
+    ([0.8, 0.8, 0.8], 3, True),     # 1.25x in every round
+    ([0.8, 1.1, 0.8], 2, False),    # slower in round 2: cannot win any more, stops
+    ([0.97, 0.97, 0.97], 3, False),  # faster every round but under min_gain
+])
+def test_paired_trial_win_rule(monkeypatch, candidate_times, rounds_run, win):
+    import types
+
+    import cnnpipe.profiling as prof
+
+    current, candidate = types.SimpleNamespace(images_per_step=100), types.SimpleNamespace(images_per_step=100)
+    calls = {"current": 0, "candidate": 0}
+
+    def fake_block(s, steps):
+        name = "current" if s is current else "candidate"
+        calls[name] += 1
+        return [1.0] * steps if s is current else [candidate_times[calls[name] - 1]] * steps
+
+    monkeypatch.setattr(prof, "_block", fake_block)
+    trial = prof.paired_trial("amp", {"amp": "bf16"}, current, candidate, rounds=3, steps=2, min_gain=0.05)
+    assert calls == {"current": rounds_run, "candidate": rounds_run} and trial.win == win
+    assert trial.before_img_s == 100.0
+    assert ("stopped after 2 rounds" in trial.note) == (rounds_run == 2)
