@@ -295,6 +295,8 @@ def batch_trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Se
     p, results, previous = cfg.profile, [], None
     for k in range(1, max_doublings + 1):
         change = {"batch_size": cfg.train.batch_size * 2 ** k}
+        if info.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(info.device)  # the peak below is this candidate's
         try:
             candidate = build_setup(_changed(cfg, change), info, prepared_dir)
             trial = paired_trial("batch_size", change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
