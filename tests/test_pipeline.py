@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cnnpipe.precision import cpu_has_fast_bf16
 from conftest import ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
@@ -96,6 +97,21 @@ def test_changing_optimized_params_reruns_only_optimized_stages(project):
     out = run(["dvc", "repro"], project)
     assert set(stages_run(out)) == {"profile@optimized", "profile_report", "train@optimized",
                                     "evaluate@optimized", "compare"}
+
+
+def test_profile_params_retrain_only_when_the_tuned_values_change(project):
+    tuned_file = project / "metrics" / "profile" / "optimized_tuned.yaml"
+    before = yaml.safe_load(tuned_file.read_text())
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["profile"]["min_gain"] = 0.9  # no candidate can win: every `auto` knob gets its default
+    write_params(project / "params.yaml", params)
+    out = run(["dvc", "repro"], project)
+    after = yaml.safe_load(tuned_file.read_text())
+    ran = set(stages_run(out))
+    assert {"profile@baseline", "profile@optimized"} <= ran and "train@baseline" not in ran
+    assert ("train@optimized" in ran) == (after != before)
+    assert after == {"amp": "bf16" if cpu_has_fast_bf16() else "off", "channels_last": True, "loader": "fast",
+                     "num_workers": 0}
 
 
 def _photo_tree(root: Path, predefined: bool) -> Path:
