@@ -35,7 +35,7 @@ def main() -> int:
     result["stage_time_s"] = time.perf_counter() - t0
     out = Path(args.metrics)
     out.mkdir(parents=True, exist_ok=True)
-    tuned = result.pop("tuned")
+    tuned = result["tuned"]
     (out / f"{args.variant}.json").write_text(json.dumps(result, indent=2) + "\n")
     # Only the knobs the variant leaves at `auto`: explicit recipes get an empty, stable file.
     (out / f"{args.variant}_tuned.yaml").write_text(yaml.safe_dump(tuned, sort_keys=True))

@@ -133,7 +133,6 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
         assert trial["win"] == (trial["speedup"] >= 1 + result["min_gain"] and low > 1.0)
     assert set(result["tuned"]) == {"amp", "channels_last", "loader", "num_workers"}  # the `auto` knobs
     (tmp_path / "m").mkdir()
-    result.pop("tuned")
     (tmp_path / "m" / "optimized.json").write_text(json.dumps(result))
     report = write_report(tmp_path / "m", ["optimized"]).read_text()
     assert "bottleneck" in report and (tmp_path / "m" / "breakdown.png").stat().st_size > 1000

@@ -78,8 +78,8 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
                 speed = (f"{t['before_img_s']:.0f} → {t['after_img_s']:.0f} img/s" if t["speedup"] else "—")
                 ratio = f"{t['speedup']:.2f}x ({low:.2f}–{high:.2f})" if t["speedup"] else "—"
                 lines.append(f"| {change} | {speed} | {ratio} | {'yes' if t['win'] else 'no'} | {t['note']} |")
-        if p.get("tuned_for_auto"):
-            lines += ["", "Values for the params left at `auto`: `" + json.dumps(p["tuned_for_auto"]) + "`."]
+        if p.get("tuned"):
+            lines += ["", "Values for the params left at `auto`: `" + json.dumps(p["tuned"]) + "`."]
     lines += ["", "## Opening the traces", "",
               "```", "tensorboard --logdir logs/profile   # PyTorch Profiler tab (torch-tb-profiler)", "```", "",
               "Or load a `logs/profile/<variant>/*.pt.trace.json` file in https://ui.perfetto.dev.",

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 
 from .config import RunConfig
 from .data.loaders import TrainLoader
-from .diagnosis import Facts, diagnose
+from .diagnosis import Facts, Recommendation, diagnose
 from .distributed import DistInfo
 from .engine import StepContext, micro_step, no_region
 from .kernels import busy_fraction, tensor_core_share
@@ -390,6 +390,24 @@ def recommended_together(cfg: RunConfig, info: DistInfo, prepared_dir: Path, bas
 
 # ---- the stage -------------------------------------------------------------------------------
 
+def _best_batch(results: list[Trial]) -> Trial | None:
+    """The largest batch whose doubling still won, else the first (losing) doubling, else None."""
+    batch = [r for r in results if r.knob == "batch_size" and r.speedup]
+    wins = [r for r in batch if r.win]
+    return wins[-1] if wins else (batch[0] if batch else None)
+
+
+def _with_measurement(rec: Recommendation, results: list[Trial]) -> dict[str, Any]:
+    """The recommendation, plus before/after numbers from the same run when a trial measured its knob."""
+    entry = rec.to_dict()
+    measured = [r for r in results if r.knob == rec.knob and r.speedup]
+    if measured:
+        best = max(measured, key=lambda r: r.speedup)
+        entry["measured"] = {"before_img_s": best.before_img_s, "after_img_s": best.after_img_s,
+                             "speedup": best.speedup, "change": best.change, "win": best.win}
+    return entry
+
+
 def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, trace_dir: Path,
                     with_trials: bool) -> dict[str, Any]:
     """Everything metrics/profile/<variant>.json holds (`tuned`: values for the `auto` knobs)."""
@@ -413,9 +431,7 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
     if with_trials:
         recommended = {r.knob for r in diagnose(facts)[1] if r.knob}
         results = run_trials(cfg, requested, info, prepared_dir, base, recommended)
-        batch = [r for r in results if r.knob == "batch_size" and r.speedup]
-        wins = [r for r in batch if r.win]
-        best = wins[-1] if wins else (batch[0] if batch else None)
+        best = _best_batch(results)
         facts = dataclasses.replace(facts, batch_gain=best.speedup if best else None,
                                     best_batch=best.change["batch_size"] if best else None)
         tuned, combined = confirm_combined(requested, cfg, info, prepared_dir, base, results,
@@ -424,15 +440,6 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
     if with_trials and combined is None:
         combined = recommended_together(cfg, info, prepared_dir, base, results,
                                         [r.knob for r in recs if r.knob and r.knob != "batch_size"])
-    rec_dicts = []
-    for rec in recs:
-        entry = rec.to_dict()
-        measured = [r for r in results if r.knob == rec.knob and r.speedup]
-        if measured:  # the recommendation's knob was measured: before/after numbers from the same run
-            best = max(measured, key=lambda r: r.speedup)
-            entry["measured"] = {"before_img_s": best.before_img_s, "after_img_s": best.after_img_s,
-                                 "speedup": best.speedup, "change": best.change, "win": best.win}
-        rec_dicts.append(entry)
     return {
         "variant": cfg.variant,
         "device": info.device.type,
@@ -449,12 +456,11 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
         "peak_mem_mb": peak_mem_mb(info.device),
         "memory_frac": mem_frac,
         "bottleneck": label,
-        "recommendations": rec_dicts,
+        "recommendations": [_with_measurement(rec, results) for rec in recs],
         "trials": [r.to_dict() for r in results],
         "combined_trial": combined.to_dict() if combined else None,
         "min_gain": p.min_gain,
         "trial_rounds": p.trial_rounds,
-        "tuned_for_auto": tuned,
         "tuned": tuned,
         "trace_dir": str(trace_dir),
     }
