@@ -20,7 +20,7 @@ from cnnpipe.distributed import DistInfo
 from cnnpipe.profiling import (Trial, build_setup, compile_trial, confirm_combined, fractions, paired_trial, profile_variant,
                                timed_steps, trace_window, tuned_settings)
 from cnnpipe.tuning import resolve_auto
-from cnnpipe.profile_report import write_report
+from cnnpipe.profile_report import to_markdown, write_report
 
 from conftest import tiny_params, write_params
 
@@ -136,6 +136,10 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
     (tmp_path / "m" / "optimized.json").write_text(json.dumps(result))
     report = write_report(tmp_path / "m", ["optimized"]).read_text()
     assert "bottleneck" in report and (tmp_path / "m" / "breakdown.png").stat().st_size > 1000
+    assert "| **step (median ± IQR)** |" in report and "Wins" in report
+    assert ("No rule fired" in report) == (not result["recommendations"])
+    quiet = to_markdown({"optimized": {**result, "recommendations": []}}, "breakdown.png")
+    assert "No rule fired: forward + backward + optimizer are" in quiet
 
 
 def test_tuned_values_come_from_winning_trials_only(tmp_path):

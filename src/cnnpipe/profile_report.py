@@ -57,6 +57,10 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
                   f"{p['device']}, {p['threads']} threads, amp={p['amp']}, batch {p['batch_size']}, "
                   f"CPU utilisation {p['cpu_util']:.0%}, peak memory {p['peak_mem_mb']:.0f} MB, "
                   f"{_syncs(p)}{_gpu_facts(p)}.", ""]
+        if not p["recommendations"]:
+            compute = sum(p["fractions"].get(k, 0.0) for k in ("forward", "backward", "optimizer"))
+            lines.append(f"No rule fired: forward + backward + optimizer are {compute:.1%} of the step, with "
+                         f"amp={p['amp']}; what remains is the model's arithmetic (the trials below try the rest).")
         for rec in p["recommendations"]:
             measured = rec.get("measured")
             lines.append(f"- **{rec['action']}** — evidence: `{json.dumps(rec['evidence'])}`"
