@@ -17,7 +17,7 @@ from cnnpipe.data.loaders import TrainLoader, ShardSampler
 from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.diagnosis import Facts, diagnose
 from cnnpipe.distributed import DistInfo
-from cnnpipe.profiling import (Trial, build_setup, compile_trial, confirm_combined, fractions, paired_trial, profile_variant,
+from cnnpipe.profiling import (Trial, build_setup, candidates, compile_trial, confirm_combined, fractions, paired_trial, profile_variant,
                                timed_steps, trace_window, tuned_settings)
 from cnnpipe.tuning import resolve_auto
 from cnnpipe.profile_report import to_markdown, write_report
@@ -271,3 +271,13 @@ def test_paired_trial_win_rule(monkeypatch, candidate_times, rounds_run, win):
     assert calls == {"current": rounds_run, "candidate": rounds_run} and trial.win == win
     assert trial.before_img_s == 100.0
     assert ("stopped after 2 rounds" in trial.note) == (rounds_run == 2)
+
+
+def test_trials_follow_the_diagnosis(tmp_path):
+    requested = config(tmp_path, "baseline")  # explicit settings: no `auto` knob
+    cfg = resolve_auto(requested, torch.device("cpu"))
+    knobs = lambda rec: {k for k, _ in candidates(cfg, requested, torch.device("cpu"), rec)}
+    assert knobs(set()) == {"amp", "channels_last", "loader"}
+    assert "num_workers" in knobs({"loader"})  # an input-bound naive loader: workers are the other fix
+    assert "pin_memory" not in knobs({"num_workers"})  # no host-to-device copy to speed up on the CPU
+    assert knobs({"num_workers"}) >= {"num_workers"}

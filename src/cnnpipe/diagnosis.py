@@ -70,7 +70,8 @@ def _fraction_rule(f: Facts, region: str, threshold: float, bottleneck: str, act
 def _input(f: Facts) -> Recommendation | None:
     if f.loader == "baseline":
         return _fraction_rule(f, "data_wait", INPUT_WAIT_FRAC, "input",
-                              "switch to the fast batched loader (train.loader: fast)", "loader",
+                              "switch to the fast batched loader (train.loader: fast), or raise train.num_workers",
+                              "loader",
                               " step time if the wait is hidden")
     return _fraction_rule(f, "data_wait", INPUT_WAIT_FRAC, "input",
                           f"raise train.num_workers (now {f.num_workers}) and enable pin_memory", "num_workers",

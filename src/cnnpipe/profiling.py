@@ -262,7 +262,7 @@ def candidates(cfg: RunConfig, requested: RunConfig, device: torch.device,
     out += [("amp", {"amp": a}) for a in amps if a != t.amp]
     out.append(("channels_last", {"channels_last": not t.channels_last}))
     out.append(("loader", {"loader": "fast" if t.loader == "baseline" else "baseline"}))
-    if "num_workers" in auto or "num_workers" in recommended:
+    if "num_workers" in auto or recommended & {"num_workers", "loader"}:  # workers also hide a slow loader
         cores = len(os.sched_getaffinity(0))
         options = sorted({n for n in (1, 2, 4, 8, cores) if n <= cores} | {0})
         out += [("num_workers", {"num_workers": n}) for n in options if n != t.num_workers]
