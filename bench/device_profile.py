@@ -1,8 +1,8 @@
 """Benchmark: the profile stage of both recipes on a device without the real data set.
 
 For a lent GPU machine (no apt, no network): writes a synthetic Fashion-MNIST-shaped IDX set, prepares
-it at `--size`, then runs `profile_variant` for each variant on `--device`, and writes the JSON files
-and report.md next to each other under `--out`, as the profile stage would.
+it at `--size`, then runs `profile_variant` for each variant on `--device`, and writes the JSON files,
+tuned values and report.md next to each other under `--out`, as the profile stage would.
 
     python bench/device_profile.py --device cuda --out $OUT/profile
     python bench/device_profile.py --device cpu --train-images 2000 --size 32 --out /tmp/p   # smoke run
@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
-import json
-import struct
 import time
 from pathlib import Path
 
@@ -22,30 +19,23 @@ import numpy as np
 import torch
 
 from cnnpipe.config import load_params, resolve
+from cnnpipe.data import idx
 from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.distributed import DistInfo
 from cnnpipe.profile_report import write_report
-from cnnpipe.profiling import profile_variant
-
-
-def write_idx(path: Path, array: np.ndarray) -> None:
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    with gzip.open(path, "wb", compresslevel=1) as fh:
-        fh.write(header + array.astype(np.uint8).tobytes())
+from cnnpipe.profiling import profile_variant, save_profile, summary
 
 
 def synthetic_idx(out: Path, train: int, test: int) -> Path:
     """Noise images with a label-dependent bright square: learnable, and shaped like Fashion-MNIST."""
-    out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    for stem, n in (("train", train), ("t10k", test)):
+    for split, n in (("train", train), ("test", test)):
         labels = rng.integers(0, 10, size=n).astype(np.uint8)
         images = rng.integers(0, 60, size=(n, 28, 28), dtype=np.uint8)
         for i, label in enumerate(labels):
             r, c = divmod(int(label), 5)
             images[i, 2 + r * 12: 10 + r * 12, 1 + c * 5: 6 + c * 5] = 220
-        write_idx(out / f"{stem}-images-idx3-ubyte.gz", images)
-        write_idx(out / f"{stem}-labels-idx1-ubyte.gz", labels)
+        idx.write_split(out, split, images, labels)
     return out
 
 
@@ -65,19 +55,16 @@ def main() -> None:
     prepared = work / "prepared"
     for variant in args.variants:
         cfg = resolve(params, variant)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_size=args.size, stored_size=args.size),
-                                  train=dataclasses.replace(cfg.train, device=args.device))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_size=args.size, stored_size=args.size))
+        cfg = cfg.with_train(device=args.device)
         if not (prepared / "index.json").exists():
             prepared.mkdir(parents=True, exist_ok=True)
             prepare_fashion_mnist(cfg.data, cfg.seed, prepared, search_dirs=(raw,))
         t0 = time.perf_counter()
         result = profile_variant(cfg, info, prepared, args.out / "logs" / variant, True)
         result["stage_time_s"] = time.perf_counter() - t0
-        (args.out / f"{variant}.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(f"{variant}: {result['throughput_img_s']:.0f} img/s, bottleneck {result['bottleneck']}, "
-              f"tuned {result['tuned']}, {result['stage_time_s']:.0f} s", flush=True)
-        for trial in result["trials"] + ([result["combined_trial"]] if result["combined_trial"] else []):
-            print(f"  {trial['change']}: {trial['speedup']:.2f}x{' WIN' if trial['win'] else ''} {trial['note']}")
+        save_profile(result, args.out)
+        print(summary(result), flush=True)
     print(f"report: {write_report(args.out, args.variants)}")
 
 

@@ -5,7 +5,6 @@ fails under torchrun).
 """
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -35,8 +34,7 @@ def main() -> int:
         cfg = resolve(load_params(args.params), args.variant)
         overrides = {k: v for k, v in (("nnodes", args.nnodes), ("node_rank", args.node_rank),
                                        ("rdzv_endpoint", args.rdzv_endpoint)) if v is not None}
-        if overrides:  # validated by TrainConfig like any params value
-            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **overrides))
+        cfg = cfg.with_train(**overrides)
     except ParamsError as exc:
         print(f"train: {exc}", file=sys.stderr)
         return 2

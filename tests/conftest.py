@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +9,9 @@ import pytest
 import yaml
 from PIL import Image
 
+from cnnpipe.data import idx
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """Write a uint8 array in IDX format, gzipped (as Debian ships Fashion-MNIST)."""
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    with gzip.open(path, "wb") as fh:
-        fh.write(header + array.astype(np.uint8).tobytes())
 
 
 def _blobs(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -37,10 +30,8 @@ def _blobs(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def fake_fmnist(tmp_path_factory) -> Path:
     """A directory with the four Fashion-MNIST IDX files (synthetic, 600 train / 200 test)."""
     out = tmp_path_factory.mktemp("fmnist")
-    for stem, n, seed in (("train", 600, 0), ("t10k", 200, 1)):
-        images, labels = _blobs(n, seed)
-        write_idx(out / f"{stem}-images-idx3-ubyte.gz", images)
-        write_idx(out / f"{stem}-labels-idx1-ubyte.gz", labels)
+    for split, n, seed in (("train", 600, 0), ("test", 200, 1)):
+        idx.write_split(out, split, *_blobs(n, seed))
     return out
 
 

@@ -239,6 +239,10 @@ class RunConfig:
         """Plain dict, for saving next to the results."""
         return dataclasses.asdict(self)
 
+    def with_train(self, **changes: Any) -> RunConfig:
+        """This config with `train.*` keys replaced (validated like any params value)."""
+        return dataclasses.replace(self, train=dataclasses.replace(self.train, **changes)) if changes else self
+
 
 # --------------------------------------------------------------------------- parsing
 def _check_type(key: str, value: Any, hint: Any) -> Any:

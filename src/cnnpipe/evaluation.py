@@ -85,7 +85,7 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "eval.json", result)
     write_json(out_dir / "classes.json", {"per_class": summary["per_class"], "confusion": summary["confusion"],
-                                      "classes": meta["classes"]})
+                                          "classes": meta["classes"]})
     classes = meta["classes"]
     with open(out_dir / "predictions.csv", "w", newline="") as fh:
         writer = csv.writer(fh)

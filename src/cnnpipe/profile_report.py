@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .profiling import REGIONS
+from .profiling import REGIONS, all_trials
 
 
 def load_profiles(profile_dir: Path, variants: list[str]) -> dict[str, dict[str, Any]]:
@@ -67,7 +67,7 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
                          + (f"; expected: {rec['expected_gain']}" if rec["expected_gain"] else "")
                          + (f"; measured: {measured['before_img_s']:.0f} → {measured['after_img_s']:.0f} img/s "
                             f"({measured['speedup']:.2f}x)" if measured else ""))
-        trials = p["trials"] + ([p["combined_trial"]] if p.get("combined_trial") else [])
+        trials = all_trials(p)
         if trials:
             lines += ["", f"Trials: blocks of the current and the candidate setting alternate "
                           f"(median of {p.get('trial_rounds', '?')} rounds, range in brackets); a candidate "

@@ -19,14 +19,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import yaml
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from .config import RunConfig
 from .data.loaders import TrainLoader
-from .diagnosis import Facts, Recommendation, diagnose
+from .diagnosis import MEMORY_FRAC, Facts, Recommendation, diagnose
 from .distributed import DistInfo
 from .engine import StepContext, micro_step, no_region
+from .files import write_json, write_text
 from .kernels import busy_fraction, tensor_core_share
 from .monitor import peak_mem_mb
 from .schedule import scaled_lr
@@ -46,17 +48,20 @@ class RegionTimer:
     """Accumulates wall time per named region; each region is also a profiler label."""
 
     def __init__(self, device: torch.device, sync: bool = True) -> None:
-        self.device = device if sync else torch.device("cpu")  # `sync=False`: labels only (the trace)
+        self.device = device
+        self.sync = sync  # False: labels only (the trace), so the device keeps its real overlap
         self.totals: dict[str, float] = {r: 0.0 for r in REGIONS}
         self.enabled = True
 
     @contextlib.contextmanager
     def region(self, name: str) -> Iterator[None]:
         with record_function(name):
-            _sync(self.device)  # attribute GPU work to the region that queued it
+            if self.sync:
+                _sync(self.device)  # attribute GPU work to the region that queued it
             t0 = time.perf_counter()
             yield
-            _sync(self.device)
+            if self.sync:
+                _sync(self.device)
             if self.enabled:
                 self.totals[name] += time.perf_counter() - t0
 
@@ -64,6 +69,13 @@ class RegionTimer:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _memory_frac(device: torch.device) -> float | None:
+    """Peak allocated memory as a fraction of the GPU's; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / torch.cuda.get_device_properties(device).total_memory
 
 
 @dataclass
@@ -245,10 +257,6 @@ def paired_trial(knob: str, change: dict[str, Any], current: Setup, candidate: S
                  statistics.median(after), win=speedup >= 1 + min_gain and min(ratios) > 1.0, note=note)
 
 
-def _changed(cfg: RunConfig, change: dict[str, Any]) -> RunConfig:
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **change))
-
-
 def candidates(cfg: RunConfig, requested: RunConfig, device: torch.device,
                recommended: set[str]) -> list[tuple[str, dict[str, Any]]]:
     """(knob, change) pairs to measure: every `auto` knob, plus the knobs the diagnosis points at.
@@ -282,7 +290,7 @@ def run_trials(cfg: RunConfig, requested: RunConfig, info: DistInfo, prepared_di
         if knob == "compile":
             results.append(compile_trial(cfg, info, prepared_dir, current))
             continue
-        candidate = build_setup(_changed(cfg, change), info, prepared_dir)
+        candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
         results.append(paired_trial(knob, change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain))
         del candidate
     results += batch_trials(cfg, info, prepared_dir, current)
@@ -291,14 +299,15 @@ def run_trials(cfg: RunConfig, requested: RunConfig, info: DistInfo, prepared_di
 
 def batch_trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup,
                  max_doublings: int = 2) -> list[Trial]:
-    """Double the batch while each doubling adds `min_gain`, memory stays under 90% and nothing OOMs."""
+    """Double the batch while each doubling adds `min_gain`, memory stays under the memory rule's
+    threshold and nothing OOMs."""
     p, results, previous = cfg.profile, [], None
     for k in range(1, max_doublings + 1):
         change = {"batch_size": cfg.train.batch_size * 2 ** k}
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(info.device)  # the peak below is this candidate's
         try:
-            candidate = build_setup(_changed(cfg, change), info, prepared_dir)
+            candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
             trial = paired_trial("batch_size", change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
             del candidate
         except torch.OutOfMemoryError:
@@ -307,10 +316,9 @@ def batch_trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Se
         finally:
             if info.device.type == "cuda":
                 torch.cuda.empty_cache()
-        if info.device.type == "cuda":
-            used = torch.cuda.max_memory_allocated(info.device) / torch.cuda.get_device_properties(info.device).total_memory
-            if used > 0.9:
-                trial.win, trial.note = False, f"peak memory {used:.0%} of the device"
+        used = _memory_frac(info.device)
+        if used is not None and used > MEMORY_FRAC:
+            trial.win, trial.note = False, f"peak memory {used:.0%} of the device"
         if previous is not None and trial.win and trial.speedup < previous.speedup * (1 + p.min_gain):
             trial.win = False
             trial.note = f"under {p.min_gain:.0%} more than batch {previous.change['batch_size']}"
@@ -325,7 +333,7 @@ def compile_trial(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: S
     """torch.compile, judged over the whole run: the per-step gain must repay the compile time."""
     p, change = cfg.profile, {"compile": "default"}
     try:
-        candidate = build_setup(_changed(cfg, change), info, prepared_dir)
+        candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
         t0 = time.perf_counter()
         train_step(candidate)  # compiles forward and backward
         _sync(info.device)
@@ -362,7 +370,7 @@ def confirm_combined(requested: RunConfig, current: RunConfig, info: DistInfo, p
     if len(changed) < 2:
         return tuned, None
     p = current.profile
-    candidate = build_setup(_changed(current, changed), info, prepared_dir)
+    candidate = build_setup(current.with_train(**changed), info, prepared_dir)
     combined = paired_trial("combined", changed, base, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
     if combined.win:
         return tuned, combined
@@ -384,7 +392,7 @@ def recommended_together(cfg: RunConfig, info: DistInfo, prepared_dir: Path, bas
     if len(together) < 2:
         return None
     p = cfg.profile
-    candidate = build_setup(_changed(cfg, together), info, prepared_dir)
+    candidate = build_setup(cfg.with_train(**together), info, prepared_dir)
     return paired_trial("recommended", together, base, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
 
 
@@ -417,9 +425,7 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
     times, totals, cpu_util = timed_steps(base, warmup=1, steps=max(p.active, p.trial_steps * p.trial_rounds))
     step_s = statistics.median(times)
     traced = trace_window(base, trace_dir, worker=f"{cfg.variant}_rank{info.rank}")
-    mem_frac = None
-    if info.device.type == "cuda":
-        mem_frac = torch.cuda.max_memory_allocated(info.device) / torch.cuda.get_device_properties(info.device).total_memory
+    mem_frac = _memory_frac(info.device)
     facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=t.batch_size,
                   utilization=cpu_util if info.device.type == "cpu" else traced["gpu_busy_frac"],
@@ -464,3 +470,33 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
         "tuned": tuned,
         "trace_dir": str(trace_dir),
     }
+
+
+# ---- outputs ---------------------------------------------------------------------------------
+
+def all_trials(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The one-knob trials, then the combined (or "recommended") one when there was one."""
+    return result["trials"] + ([result["combined_trial"]] if result.get("combined_trial") else [])
+
+
+def save_profile(result: dict[str, Any], out_dir: Path) -> None:
+    """`<variant>.json` and `<variant>_tuned.yaml` (only the `auto` knobs, so explicit recipes get
+    an empty, stable file that training can depend on)."""
+    variant = result["variant"]
+    write_json(Path(out_dir) / f"{variant}.json", result)
+    write_text(Path(out_dir) / f"{variant}_tuned.yaml", yaml.safe_dump(result["tuned"], sort_keys=True))
+
+
+def summary(result: dict[str, Any]) -> str:
+    """The lines the stage prints: breakdown, bottleneck, advice, trials and tuned values."""
+    shares = ", ".join(f"{k} {v:.0%}" for k, v in result["fractions"].items() if v >= 0.01)
+    lines = [f"profile[{result['variant']}]: {result['step_time_median_s'] * 1000:.0f} ms/step, "
+             f"{result['throughput_img_s']:.0f} img/s; {shares}; bottleneck: {result['bottleneck']}"]
+    lines += [f"  - {rec['action']}  (evidence: {rec['evidence']})" for rec in result["recommendations"]]
+    for trial in all_trials(result):
+        low, high = trial["speedup_range"]
+        lines.append(f"  trial {trial['change']}: {trial['speedup']:.2f}x ({low:.2f}-{high:.2f})"
+                     f"{' WIN' if trial['win'] else ''} {trial['note']}".rstrip())
+    if result["tuned"]:
+        lines.append(f"  tuned (for the `auto` params): {result['tuned']}")
+    return "\n".join(lines)

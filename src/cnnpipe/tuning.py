@@ -7,7 +7,6 @@ empty, stable file). Training reads it; without it the defaults below apply.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -48,4 +47,4 @@ def resolve_auto(cfg: RunConfig, device: torch.device, tuned: dict[str, Any] | N
     changes = {k: tuned.get(k, default_for(k, device)) for k in auto_knobs(cfg)}
     if "amp" in changes:
         changes["amp"] = resolve_amp(changes["amp"], device)
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes)) if changes else cfg
+    return cfg.with_train(**changes)

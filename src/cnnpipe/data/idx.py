@@ -62,6 +62,15 @@ def _read(path: Path) -> np.ndarray:
     return body.reshape(shape)
 
 
+def write_split(directory: Path, split: str, images: np.ndarray, labels: np.ndarray) -> None:
+    """Write a split as the two gzipped IDX files `load_split` reads (for tests and synthetic sets)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for stem, array in zip(FILES[split], (images, labels)):
+        header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+        with gzip.open(directory / f"{stem}.gz", "wb", compresslevel=1) as fh:
+            fh.write(header + array.astype(np.uint8).tobytes())
+
+
 def load_split(directory: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     """Images (N, 28, 28) uint8 and labels (N,) int64 of the `train` or `test` split."""
     image_stem, label_stem = FILES[split]
