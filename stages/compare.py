@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from cnnpipe.compare import compare, load_variant, to_markdown
+from cnnpipe.compare import compare, load_variant, plan_vs_actual, to_markdown
 
 
 def main() -> int:
@@ -14,10 +14,14 @@ def main() -> int:
     args = parser.parse_args()
     metrics = Path(args.metrics)
     try:
-        result = compare(load_variant(metrics, "baseline"), load_variant(metrics, "optimized"))
+        base, opt = load_variant(metrics, "baseline"), load_variant(metrics, "optimized")
+        result = compare(base, opt)
     except FileNotFoundError as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
+    plan_path = metrics / "plan" / "plan.json"
+    if plan_path.exists():
+        result["plan"] = plan_vs_actual(json.loads(plan_path.read_text()), base, opt)
     (metrics / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
     markdown = to_markdown(result)
     (metrics / "compare.md").write_text(markdown)

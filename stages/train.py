@@ -14,6 +14,7 @@ from cnnpipe.distributed import cleanup, init_distributed
 from cnnpipe.engine import NonFiniteLoss
 from cnnpipe.launch import needs_torchrun, relaunch
 from cnnpipe.models import WeightsUnavailable
+from cnnpipe.budget import apply_budget, read_budget
 from cnnpipe.trainer import fit
 from cnnpipe.tuning import read_tuned
 
@@ -26,6 +27,7 @@ def main() -> int:
     parser.add_argument("--models", default="models", help="checkpoints go to <models>/<variant>/")
     parser.add_argument("--metrics", default="metrics", help="train.json goes to <metrics>/<variant>/")
     parser.add_argument("--tuned", default=None, help="the profile's <variant>_tuned.yaml (values for `auto`)")
+    parser.add_argument("--budget", default=None, help="the plan's budget.yaml (images per epoch under the budget)")
     parser.add_argument("--nnodes", type=int, help="override train.nnodes (e.g. $SLURM_NNODES)")
     parser.add_argument("--node-rank", type=int, help="override train.node_rank (e.g. $SLURM_NODEID)")
     parser.add_argument("--rdzv-endpoint", help="override train.rdzv_endpoint (host:port of node 0)")
@@ -34,8 +36,8 @@ def main() -> int:
         cfg = resolve(load_params(args.params), args.variant)
         overrides = {k: v for k, v in (("nnodes", args.nnodes), ("node_rank", args.node_rank),
                                        ("rdzv_endpoint", args.rdzv_endpoint)) if v is not None}
-        cfg = cfg.with_train(**overrides)
-    except ParamsError as exc:
+        cfg = apply_budget(cfg.with_train(**overrides), read_budget(Path(args.budget) if args.budget else None))
+    except (ParamsError, ValueError) as exc:
         print(f"train: {exc}", file=sys.stderr)
         return 2
     if needs_torchrun(cfg.train):

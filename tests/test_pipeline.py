@@ -56,9 +56,17 @@ def project(tmp_path_factory, fake_fmnist) -> Path:
 
 def test_repro_produces_every_output_and_metric(project):
     out = run(["dvc", "repro"], project)
-    assert set(stages_run(out)) == {"prepare", "profile@baseline", "profile@optimized", "profile_report",
-                                    "train@baseline", "train@optimized", "evaluate@baseline", "evaluate@optimized",
-                                    "compare"}
+    ran = stages_run(out)
+    assert set(ran) == {"prepare", "profile@baseline", "profile@optimized", "profile_report", "plan",
+                        "train@baseline", "train@optimized", "evaluate@baseline", "evaluate@optimized",
+                        "export@baseline", "export@optimized", "compare"}
+    # The plan is printed before any training starts.
+    assert ran.index("plan") < min(ran.index("train@baseline"), ran.index("train@optimized"))
+    assert out.index("# Time plan (budget 20 min)") < out.index("Running stage 'train@")
+    plan = json.loads((project / "metrics" / "plan" / "plan.json").read_text())
+    assert plan["fraction"] == 1.0 and plan["fits"]  # the tiny run fits 20 minutes
+    assert yaml.safe_load((project / "metrics" / "plan" / "budget.yaml").read_text()) == {
+        "fraction": 1.0, "images_per_epoch": None}
     assert (project / "metrics" / "profile" / "report.md").exists()
     assert yaml.safe_load((project / "metrics" / "profile" / "baseline_tuned.yaml").read_text()) == {}
     tuned = yaml.safe_load((project / "metrics" / "profile" / "optimized_tuned.yaml").read_text())
@@ -68,8 +76,13 @@ def test_repro_produces_every_output_and_metric(project):
         for key in ("epochs", "epoch_time_s", "throughput_img_s", "data_wait_frac", "peak_mem_mb", "device",
                     "world_size", "init"):
             assert key in train, (variant, key)
+        assert train["cpu"]["usable_cores"] >= 1 and "fast_bf16" in train["cpu"]
         evaluation = json.loads((project / "metrics" / variant / "eval.json").read_text())
         assert {"top1", "top5", "loss"} <= set(evaluation)
+        assert (project / "metrics" / variant / "mistakes.png").read_bytes()[:4] == b"\x89PNG"
+        exported = json.loads((project / "metrics" / variant / "export.json").read_text())
+        assert exported["onnx"]["top1_agreement"] == 1.0 and exported["torchscript"]["top1_agreement"] == 1.0
+        assert (project / "exports" / variant / "model.onnx").exists()
         assert 0.0 <= evaluation["top1"] <= evaluation["top5"] <= 1.0
         profile = json.loads((project / "metrics" / "profile" / f"{variant}.json").read_text())
         assert sum(profile["fractions"].values()) == pytest.approx(1.0)
@@ -78,7 +91,9 @@ def test_repro_produces_every_output_and_metric(project):
         assert (project / "models" / variant / "best.pt").exists()
     compare = json.loads((project / "metrics" / "compare.json").read_text())
     assert {"speedup_throughput", "speedup_epoch_time", "top1_delta"} <= set(compare)
-    assert "| Top-1 (test) |" in (project / "metrics" / "compare.md").read_text()
+    compare_md = (project / "metrics" / "compare.md").read_text()
+    assert "| Top-1 (test) |" in compare_md and "(optimized/mistakes.png)" in compare_md
+    assert "| train@baseline |" in compare_md and compare["plan"]["stages"]["train@optimized"]["actual_s"] > 0
     shown = run(["dvc", "metrics", "show", "--json"], project)
     assert "top1" in shown and "speedup_throughput" in shown
 
@@ -95,8 +110,8 @@ def test_changing_optimized_params_reruns_only_optimized_stages(project):
     diff = run(["dvc", "params", "diff"], project)
     assert "variants.optimized.train.lr" in diff
     out = run(["dvc", "repro"], project)
-    assert set(stages_run(out)) == {"profile@optimized", "profile_report", "train@optimized",
-                                    "evaluate@optimized", "compare"}
+    assert set(stages_run(out)) == {"profile@optimized", "profile_report", "plan", "train@optimized",
+                                    "evaluate@optimized", "export@optimized", "compare"}
 
 
 def test_profile_params_retrain_only_when_the_tuned_values_change(project):
@@ -193,3 +208,23 @@ def test_a_new_local_weights_file_reruns_training(project):
         (project / "weights" / "mine.safetensors").unlink()
     for stage in ("train@baseline", "train@optimized"):
         assert any("weights" in json.dumps(entry) for entry in status.get(stage, [])), status.get(stage)
+
+
+def test_a_tight_budget_shrinks_every_variant_alike(project):
+    """run.budget_minutes below what the plan predicts: fewer images per epoch, the same for both."""
+    params = tiny_params()
+    params["data"]["stored_size"] = 32
+    params["run"] = {"budget_minutes": 1}  # start-ups alone exceed it: the plan must say OVER budget
+    write_params(project / "params.yaml", params)
+    out = run(["dvc", "repro"], project)
+    assert {"plan", "train@baseline", "train@optimized"} <= set(stages_run(out))
+    plan = json.loads((project / "metrics" / "plan" / "plan.json").read_text())
+    budget = yaml.safe_load((project / "metrics" / "plan" / "budget.yaml").read_text())
+    assert plan["fraction"] < 1.0 and not plan["fits"] and "OVER budget" in out
+    assert budget["images_per_epoch"] == plan["images_per_epoch"] == 32  # one batch of the largest global batch
+    for variant in ("baseline", "optimized"):
+        train = json.loads((project / "metrics" / variant / "train.json").read_text())
+        assert train["images_per_epoch"] == 32
+        assert all(h["epoch_time_s"] > 0 for h in train["history"])
+    diff = run(["dvc", "metrics", "diff", "--json"], project)
+    assert "images_per_epoch" in diff

@@ -18,7 +18,7 @@ from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.diagnosis import Facts, diagnose
 from cnnpipe.distributed import DistInfo
 from cnnpipe.profiling import (Trial, build_setup, candidates, compile_trial, confirm_combined, fractions, paired_trial, profile_variant,
-                               timed_steps, trace_window, tuned_settings)
+                               timed_steps, trace_window, tuned_settings, tuned_speedup)
 from cnnpipe.tuning import resolve_auto
 from cnnpipe.profile_report import to_markdown, write_report
 
@@ -152,6 +152,13 @@ def test_tuned_values_come_from_winning_trials_only(tmp_path):
               Trial("batch_size", {"batch_size": 64}, 2.0, (1.9, 2.1), win=True)]  # not an `auto` knob
     tuned = tuned_settings(requested, current, trials)
     assert tuned == {"amp": current.train.amp, "channels_last": False, "loader": "fast", "num_workers": 2}
+    # Two knobs changed and no combined trial measured them together: the plan gets no speed-up.
+    assert tuned_speedup(current, tuned, trials, None) == 1.0
+    combined = Trial("combined", {"channels_last": False, "num_workers": 2}, 1.5, (1.4, 1.6), win=True)
+    assert tuned_speedup(current, tuned, trials, combined) == 1.5
+    only_workers = {**tuned, "channels_last": current.train.channels_last}
+    assert tuned_speedup(current, only_workers, trials, None) == 1.20
+    assert tuned_speedup(current, {k: getattr(current.train, k) for k in tuned}, trials, None) == 1.0
 
 
 def test_a_mix_of_winners_is_measured_before_it_is_kept(tmp_path, prepared):
@@ -252,6 +259,8 @@ def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(mo
     ([0.8, 0.8, 0.8], 3, True),     # 1.25x in every round
     ([0.8, 1.1, 0.8], 2, False),    # slower in round 2: cannot win any more, stops
     ([0.97, 0.97, 0.97], 3, False),  # faster every round but under min_gain
+    ([10.0, 10.0, 10.0], 1, False),  # 10x slower (bf16 on a CPU without it): stops after one round
+    ([1.9, 0.8, 0.8], 2, False),    # 0.53x: slower but not a clear loss, the usual two rounds
 ])
 def test_paired_trial_win_rule(monkeypatch, candidate_times, rounds_run, win):
     import types
@@ -271,6 +280,7 @@ def test_paired_trial_win_rule(monkeypatch, candidate_times, rounds_run, win):
     assert calls == {"current": rounds_run, "candidate": rounds_run} and trial.win == win
     assert trial.before_img_s == 100.0
     assert ("stopped after 2 rounds" in trial.note) == (rounds_run == 2)
+    assert ("stopped after 1 round" in trial.note) == (rounds_run == 1)
 
 
 def test_trials_follow_the_diagnosis(tmp_path):

@@ -155,6 +155,9 @@ class TrainConfig:
     """torch intra-op threads per process; null = cores / processes."""
     checkpoint_every: int = 1
     """Write models/<variant>/last.pt every N epochs (and always at the end)."""
+    images_per_epoch: int | None = None
+    """Training images drawn (a fresh random subset) per epoch; null = the whole training split.
+    The time budget (`run.budget_minutes`) may lower it; the LR schedule follows the real steps."""
 
     def __post_init__(self) -> None:
         ints = {"epochs": 1, "batch_size": 1, "nproc": 1, "checkpoint_every": 1, "accum_steps": 1}
@@ -195,6 +198,8 @@ class TrainConfig:
             _fail("train.rdzv_endpoint", self.rdzv_endpoint, "host:port, e.g. 10.0.0.1:29400")
         if self.threads is not None and self.threads < 1:
             _fail("train.threads", self.threads, "null or an integer >= 1")
+        if self.images_per_epoch is not None and self.images_per_epoch < 1:
+            _fail("train.images_per_epoch", self.images_per_epoch, "null (all) or an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,25 @@ class ProfileConfig:
             _fail("profile.trial_steps", self.trial_steps, "an integer >= 1")
         if not 0.0 <= self.min_gain < 1.0:
             _fail("profile.min_gain", self.min_gain, "a fraction in [0, 1), e.g. 0.05 for 5%")
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """`run:` section: how long the whole `dvc repro` may take on this machine."""
+
+    budget_minutes: float | None = 20.0
+    """Wall-time budget for the whole pipeline. The plan stage predicts every stage's time from the
+    profile's measured speeds and, when the prediction exceeds this, lowers the training images per
+    epoch (the same for every variant) until it fits. null disables the budget."""
+
+    def __post_init__(self) -> None:
+        if self.budget_minutes is not None and not 1.0 <= self.budget_minutes <= 100_000:
+            _fail("run.budget_minutes", self.budget_minutes, "null (no budget) or minutes in [1, 100000]")
+
+
+def budget_config(raw: dict[str, Any]) -> BudgetConfig:
+    """The `run` section."""
+    return build_section(BudgetConfig, raw.get("run"), "run")
 
 
 @dataclass(frozen=True)
@@ -327,7 +351,7 @@ def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
         raise ParamsError(f"{path} not found: run from the project root (where dvc.yaml is)")
     with path.open() as fh:
         raw = yaml.safe_load(fh) or {}
-    known = {"seed", "data", "model", "train", "profile", "variants"}
+    known = {"seed", "run", "data", "model", "train", "profile", "variants"}
     unknown = sorted(set(raw) - known)
     if unknown:
         _fail(unknown[0], raw[unknown[0]], f"one of the top-level sections: {', '.join(sorted(known))}")
@@ -337,6 +361,7 @@ def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
     for name in variants:
         resolve(raw, name)  # validate each variant up front
     data_config(raw)
+    budget_config(raw)
     return raw
 
 

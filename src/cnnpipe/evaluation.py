@@ -16,22 +16,46 @@ from .data.loaders import build_eval_loader, eval_transform
 from .data.store import open_split
 from .engine import predict
 from .files import write_json
+from .gallery import most_confident_mistakes, save_gallery
 from .metrics import classification_summary
 from .monitor import peak_mem_mb
 from .precision import autocast
 
 
-def load_trained(model_dir: Path, device: torch.device, use_ema: bool = False) -> tuple[torch.nn.Module, dict]:
-    """Rebuild the model saved in `model_dir/best.pt` (weights_only) and return it with its meta."""
+def ema_is_better(model_dir: Path) -> bool:
+    """True when best.pt carries EMA weights that scored higher on validation than the raw weights.
+
+    The scores come from the training history in last.pt, at the epoch best.pt was saved.
+    """
+    best, last = model_dir / "best.pt", model_dir / "last.pt"
+    state = ckpt.load(best)
+    if not state.get("ema") or not last.exists():
+        return False
+    history = ckpt.load(last).get("history", [])
+    epoch = state.get("epoch", 0)
+    record = history[epoch - 1] if 0 < epoch <= len(history) else {}
+    return record.get("val_top1_ema", -1.0) > record.get("val_top1", -1.0)
+
+
+def load_trained(model_dir: Path, device: torch.device, use_ema: bool | None = None) -> tuple[torch.nn.Module, dict]:
+    """Rebuild the model saved in `model_dir/best.pt` (weights_only) and return it with its meta.
+
+    `use_ema=None` takes the EMA weights when they validated better (`ema_is_better`); the meta's
+    `weights` key says which were loaded.
+    """
     path = model_dir / "best.pt"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: run `dvc repro train@{model_dir.name}` first")
     state = ckpt.load(path)
-    meta = state["meta"]
+    meta = dict(state["meta"])
+    if use_ema is None:
+        use_ema = ema_is_better(model_dir)
     model = timm.create_model(meta["model_name"], pretrained=False, num_classes=meta["num_classes"],
                               in_chans=meta["in_chans"])
-    weights = state["ema"] if use_ema and state.get("ema") else state["model"]
-    model.load_state_dict(weights)
+    use_ema = bool(use_ema and state.get("ema"))
+    model.load_state_dict(state["ema"] if use_ema else state["model"])
+    meta["weights"] = "ema" if use_ema else "model"
+    meta["epoch"] = state.get("epoch")
     model.to(device).eval()
     if meta.get("channels_last"):
         model.to(memory_format=torch.channels_last)
@@ -66,8 +90,8 @@ def inference_throughput(model: torch.nn.Module, meta: dict, device: torch.devic
 
 
 def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.device,
-             max_images: int | None = None) -> dict[str, Any]:
-    """Write eval.json, classes.json, predictions.csv and calibration.csv to `out_dir`."""
+             max_images: int | None = None, gallery_size: int = 16) -> dict[str, Any]:
+    """Write eval.json, classes.json, predictions.csv, calibration.csv and mistakes.png to `out_dir`."""
     model, meta = load_trained(model_dir, device)
     split = open_split(prepared_dir, "test", limit=max_images)
     loader = build_eval_loader(split, batch_size=256)
@@ -81,12 +105,15 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
         "images": len(labels), "eval_throughput_img_s": len(labels) / wall,
         "model_throughput_img_s": inference_throughput(model, meta, device),
         "peak_mem_mb": peak_mem_mb(device), "device": device.type, "amp": meta["amp"],
+        "weights": meta["weights"],
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "eval.json", result)
-    write_json(out_dir / "classes.json", {"per_class": summary["per_class"], "confusion": summary["confusion"],
-                                          "classes": meta["classes"]})
     classes = meta["classes"]
+    mistakes = most_confident_mistakes(logits, labels, gallery_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "classes.json", {
+        "per_class": summary["per_class"], "confusion": summary["confusion"], "classes": classes,
+        "most_confident_mistakes": [{"test_index": i, "actual": classes[a], "predicted": classes[p],
+                                     "probability": q} for i, a, p, q in mistakes]})
     with open(out_dir / "predictions.csv", "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["actual", "predicted"])
@@ -95,4 +122,7 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
         writer = csv.DictWriter(fh, fieldnames=list(summary["calibration"][0]))
         writer.writeheader()
         writer.writerows(summary["calibration"])
+    write_json(out_dir / "eval.json", result)
+    save_gallery(out_dir / "mistakes.png", split.images, mistakes, classes,
+                 title=f"{model_dir.name}: most confident mistakes on the test split")
     return result

@@ -7,6 +7,8 @@ from typing import ContextManager
 
 import torch
 
+from .hardware import cpu_has_fast_bf16
+
 
 def resolve_amp(amp: str, device: torch.device) -> str:
     """`auto` → bf16 where it is fast (CPUs with AVX512-BF16/AMX, Ampere+ GPUs), fp16 on older GPUs."""
@@ -15,15 +17,6 @@ def resolve_amp(amp: str, device: torch.device) -> str:
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "bf16" if cpu_has_fast_bf16() else "off"
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 dot products (oneDNN then runs bf16 convs fast)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
 
 
 def autocast(amp: str, device: torch.device) -> ContextManager:

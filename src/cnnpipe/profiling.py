@@ -221,6 +221,10 @@ class Trial:
                 "after_img_s": self.after_img_s, "win": self.win, "note": self.note}
 
 
+CLEAR_LOSS = 0.5
+"""A candidate below this speed ratio in a round is a clear loser: its trial stops at once."""
+
+
 def _block(s: Setup, steps: int) -> list[float]:
     """`steps` timed steps after one untimed step that re-warms caches and the loader after a switch."""
     train_step(s)
@@ -239,7 +243,9 @@ def paired_trial(knob: str, change: dict[str, Any], current: Setup, candidate: S
 
     This VM's speed drifts by tens of percent over minutes; a ratio per round of neighbouring
     blocks cancels that, and a win must beat `min_gain` at the median and hold in every round.
-    A candidate slower in any of the first two rounds can no longer win, so it stops there.
+    A candidate slower in any of the first two rounds can no longer win, so it stops there; one
+    under half the speed stops after the first round (no drift explains a 2x gap, and on a CPU
+    without native bf16 a bf16 step is ~10x slower: a second round would cost minutes).
     """
     ratios, before, after = [], [], []
     for r in range(rounds):
@@ -249,10 +255,13 @@ def paired_trial(knob: str, change: dict[str, Any], current: Setup, candidate: S
         before.append(current.images_per_step / a)
         after.append(candidate.images_per_step / b)
         ratios.append(after[-1] / before[-1])
-        if len(ratios) >= 2 and min(ratios) <= 1.0:
+        if ratios[-1] < CLEAR_LOSS or (len(ratios) >= 2 and min(ratios) <= 1.0):
             break
     speedup = statistics.median(ratios)
-    note = f"stopped after {len(ratios)} rounds: slower in one" if len(ratios) < rounds else ""
+    note = ""
+    if len(ratios) < rounds:
+        note = (f"stopped after 1 round: under {CLEAR_LOSS:.0%} of the speed" if ratios[-1] < CLEAR_LOSS
+                else f"stopped after {len(ratios)} rounds: slower in one")
     return Trial(knob, change, speedup, (min(ratios), max(ratios)), statistics.median(before),
                  statistics.median(after), win=speedup >= 1 + min_gain and min(ratios) > 1.0, note=note)
 
@@ -398,6 +407,21 @@ def recommended_together(cfg: RunConfig, info: DistInfo, prepared_dir: Path, bas
 
 # ---- the stage -------------------------------------------------------------------------------
 
+def tuned_speedup(current: RunConfig, tuned: dict[str, Any], results: list[Trial],
+                  combined: Trial | None) -> float:
+    """Measured speed-up of the tuned values over the profiled (current) ones; 1.0 when unchanged.
+
+    The plan multiplies the profiled throughput by this to predict the recipe training will run.
+    """
+    changed = {k: v for k, v in tuned.items() if v != getattr(current.train, k)}
+    if not changed:
+        return 1.0
+    if combined is not None and combined.win and combined.change == changed:
+        return combined.speedup
+    single = [t for t in results if t.win and t.change == changed]
+    return max(t.speedup for t in single) if single else 1.0
+
+
 def _best_batch(results: list[Trial]) -> Trial | None:
     """The largest batch whose doubling still won, else the first (losing) doubling, else None."""
     batch = [r for r in results if r.knob == "batch_size" and r.speedup]
@@ -468,6 +492,7 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
         "min_gain": p.min_gain,
         "trial_rounds": p.trial_rounds,
         "tuned": tuned,
+        "tuned_speedup": tuned_speedup(cfg, tuned, results, combined),
         "trace_dir": str(trace_dir),
     }
 

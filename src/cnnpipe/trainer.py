@@ -26,6 +26,7 @@ from .data.store import PreparedSplit, open_split
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, unwrap
 from .engine import StepContext, evaluate_top1, train_one_epoch
 from .files import write_json
+from .hardware import cpu_report, usable_cores
 from .models import InitInfo, create_model, model_mean_std
 from .monitor import GpuUtilSampler, peak_mem_mb
 from .precision import grad_scaler, resolve_amp
@@ -41,9 +42,13 @@ def seed_everything(seed: int, rank: int = 0) -> None:
 
 
 def set_threads(cfg: RunConfig, info: DistInfo) -> int:
-    """Intra-op threads: `train.threads`, else the cores shared evenly by the local processes."""
+    """Intra-op threads: `train.threads`, else the usable cores shared evenly by the local processes.
+
+    More threads than cores (e.g. torch's default under a restricted affinity mask) makes every
+    convolution wait on oversubscribed cores.
+    """
     local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // max(1, local))
+    threads = cfg.train.threads or max(1, usable_cores() // max(1, local))
     torch.set_num_threads(threads)
     return threads
 
@@ -93,7 +98,7 @@ def build_training(cfg: RunConfig, info: DistInfo, prepared_dir: Path) -> Traini
     loader = build_train_loader(
         split, kind=t.loader, batch_size=t.batch_size, aug=aug, mean=mean, std=std, seed=cfg.seed,
         rank=info.rank, world_size=info.world_size, num_workers=t.num_workers, pin_memory=t.pin_memory,
-        channels_last=t.channels_last)
+        channels_last=t.channels_last, images_per_epoch=t.images_per_epoch)
     return TrainingParts(split, model, init, mean, std, amp, optimizer, grad_scaler(amp, info.device), aug, loader)
 
 
@@ -146,10 +151,13 @@ class _Live:
 
 
 def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, metrics_path: Path,
-        live_dir: Path, tuned: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        live_dir: Path, tuned: dict[str, Any] | None = None,
+        epoch_hook: Callable[[torch.nn.Module], dict[str, float]] | None = None) -> dict[str, Any] | None:
     """Train `cfg.variant`; resume from `model_dir/last.pt` when it was made under the same params.
 
-    `tuned` holds the profile's measured values for knobs the params leave at `auto`.
+    `tuned` holds the profile's measured values for knobs the params leave at `auto`. `epoch_hook`
+    (benchmarks) is called with the model after each epoch's validation, outside the timed epoch;
+    what it returns joins that epoch's record.
     """
     t_start = time.perf_counter()
     cfg = resolve_auto(cfg, info.device, tuned)
@@ -221,7 +229,8 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     if info.is_primary:
         print(f"train[{cfg.variant}]: {cfg.model.name} init={init.source} device={device} x{info.world_size} "
               f"amp={amp} channels_last={t.channels_last} compile={t.compile} loader={t.loader} "
-              f"batch={global_batch} peak_lr={peak_lr:.4g} steps/epoch={steps_per_epoch} threads={threads}",
+              f"batch={global_batch} peak_lr={peak_lr:.4g} images/epoch={train_loader.sampler.n} "
+              f"steps/epoch={steps_per_epoch} threads={threads}",
               flush=True)
     for epoch in range(start_epoch, t.epochs):
         train_loader.set_epoch(epoch)
@@ -233,6 +242,8 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
         record = _epoch_record(epoch, stats, val, info)
         if ema is not None:
             record["val_top1_ema"] = evaluate_top1(ema.module, val_loader, val_transform, info, amp)["top1"]
+        if epoch_hook is not None:
+            record.update(epoch_hook(unwrap(model)))
         history.append(record)
         improved = record["val_top1"] > best_top1
         best_top1 = max(best_top1, record["val_top1"])
@@ -311,6 +322,8 @@ def _summary(cfg: RunConfig, history: list[dict], init, info: DistInfo, amp: str
         "device": str(info.device.type),
         "world_size": info.world_size,
         "threads_per_process": threads,
+        "cpu": cpu_report(),
+        "images_per_epoch": cfg.train.images_per_epoch,
         "init": init.source if init.source == "random" else f"{init.source}:{init.location}",
         "init_sha256": init.sha256,
         "amp": amp,

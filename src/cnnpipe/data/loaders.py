@@ -42,12 +42,14 @@ class ShardSampler(Sampler[list[int]]):
     """Batches of indices for one rank: a fresh permutation each epoch, sharded across ranks.
 
     Training (`drop_last`) gives every rank the same number of full batches; evaluation keeps every
-    item exactly once across ranks (shards may differ in length by one).
+    item exactly once across ranks (shards may differ in length by one). `per_epoch` draws only the
+    first that many items of each epoch's permutation: a fresh random subset every epoch.
     """
 
     def __init__(self, n: int, batch_size: int, *, shuffle: bool, drop_last: bool, seed: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
-        self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
+                 rank: int = 0, world_size: int = 1, per_epoch: int | None = None) -> None:
+        self.total, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
+        self.n = n if per_epoch is None else min(n, per_epoch)
         self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -56,7 +58,7 @@ class ShardSampler(Sampler[list[int]]):
     def shard(self) -> np.ndarray:
         """This rank's indices for the current epoch."""
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.total)[: self.n]
         else:
             order = np.arange(self.n)
         if self.drop_last:
@@ -263,14 +265,17 @@ def _keep_layout(channels_last: bool):
 def build_train_loader(split: PreparedSplit, *, kind: str, batch_size: int, aug: AugmentConfig,
                        mean: Sequence[float], std: Sequence[float], seed: int, rank: int = 0,
                        world_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
-                       channels_last: bool = False, prefetch_factor: int = 2) -> TrainLoader:
+                       channels_last: bool = False, prefetch_factor: int = 2,
+                       images_per_epoch: int | None = None) -> TrainLoader:
     """The training loader of `kind` (`baseline` or `fast`), sharded for this rank."""
     pin_memory = pin_memory and torch.cuda.is_available()  # pinning only helps host→GPU copies
-    if len(split) // world_size < batch_size:
-        raise ValueError(f"train.batch_size={batch_size} is larger than the {len(split) // world_size} training "
-                         f"images per process; lower train.batch_size or add data")
+    per_epoch = len(split) if images_per_epoch is None else min(len(split), images_per_epoch)
+    if per_epoch // world_size < batch_size:
+        raise ValueError(f"train.batch_size={batch_size} is larger than the {per_epoch // world_size} training "
+                         f"images per process and epoch; lower train.batch_size, raise train.images_per_epoch "
+                         f"(or run.budget_minutes) or add data")
     sampler = ShardSampler(len(split), batch_size, shuffle=True, drop_last=True, seed=seed, rank=rank,
-                           world_size=world_size)
+                           world_size=world_size, per_epoch=images_per_epoch)
     extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor} if num_workers > 0 else {}
     if kind == "fast":
         loader = DataLoader(_UInt8Batches(split), sampler=sampler, batch_size=None, num_workers=num_workers,

@@ -1,0 +1,33 @@
+"""The plan's choice, applied to training: the only part of the plan that `train` depends on.
+
+Kept apart from `plan.py` so that refining a prediction never invalidates a trained model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import RunConfig
+
+
+def read_budget(path: Path | None) -> dict[str, Any]:
+    """metrics/plan/budget.yaml (empty when absent: no budget applies)."""
+    if path is None or not Path(path).exists():
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected `fraction` and `images_per_epoch`; rerun `dvc repro plan`")
+    return data
+
+
+def apply_budget(cfg: RunConfig, budget: dict[str, Any]) -> RunConfig:
+    """`cfg` with the budget's images per epoch, when it is lower than what the params ask for."""
+    cap = budget.get("images_per_epoch")
+    if cap is None:
+        return cfg
+    current = cfg.train.images_per_epoch
+    return cfg.with_train(images_per_epoch=cap if current is None else min(current, cap))
+

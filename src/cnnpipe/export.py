@@ -1,0 +1,169 @@
+"""Export the best checkpoint to TorchScript and ONNX, and check both against PyTorch on real images.
+
+The exported graphs take what evaluation feeds the model: float32 NCHW at `image_size`, normalised
+with the mean/std in `meta.json` (written beside them, with the class names), and return logits.
+The batch dimension is dynamic in both. Exports are fp32 on the CPU: the portable form; a runtime
+may lower the precision itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .data.loaders import build_eval_loader
+from .data.store import open_split
+from .evaluation import load_trained, make_transform
+from .files import write_json
+
+OPSET = 18
+
+
+def export_torchscript(model: torch.nn.Module, example: torch.Tensor, path: Path) -> None:
+    """Trace `model` (inference only, no control flow in a timm CNN) and save it."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation notice; tracing still works
+        traced = torch.jit.trace(model, example)
+    traced.save(str(path))
+
+
+def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> None:
+    """torch.export-based ONNX exporter, opset 18, dynamic batch, weights inside the one file."""
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(model, (example,), dynamo=True, opset_version=OPSET, input_names=["images"],
+                                    output_names=["logits"], dynamic_shapes=({0: batch},), verbose=False)
+    program.save(str(path), external_data=False)
+
+
+def onnx_runner(path: Path) -> tuple[Callable[[np.ndarray], np.ndarray] | None, str]:
+    """A function running the ONNX file, and the name of what checks it.
+
+    onnxruntime when it is installed (it runs the graph); else only onnx's structural checker,
+    which proves the file is valid but computes nothing, so parity is then not measured.
+    """
+    import onnx
+
+    onnx.checker.check_model(str(path), full_check=True)
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None, f"onnx.checker {onnx.__version__} (onnxruntime not installed: no numerical parity)"
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    return (lambda x: session.run(None, {name: x})[0]), f"onnxruntime {ort.__version__}"
+
+
+def check_dynamic_batch(scripted: torch.jit.ScriptModule, run_onnx: Callable[[np.ndarray], np.ndarray] | None,
+                        meta: dict) -> None:
+    """Run one image and an odd-sized batch through both files: the batch axis must really be dynamic."""
+    for n in (1, 7):
+        x = torch.randn(n, meta["in_chans"], meta["image_size"], meta["image_size"])
+        outputs = {"TorchScript": scripted(x).shape}
+        if run_onnx is not None:
+            outputs["ONNX"] = run_onnx(x.numpy()).shape
+        for name, shape in outputs.items():
+            if tuple(shape) != (n, meta["num_classes"]):
+                raise RuntimeError(f"the {name} export returned {tuple(shape)} for a batch of {n}: "
+                                   "its batch dimension is not dynamic")
+
+
+def _agreement(reference: torch.Tensor, other: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    return {
+        "max_abs_diff": float((reference - other).abs().max()),
+        "top1_agreement": float((reference.argmax(1) == other.argmax(1)).float().mean()),
+        "top1": float((other.argmax(1) == labels).float().mean()),
+    }
+
+
+@torch.no_grad()
+def parity(model: torch.nn.Module, scripted: torch.jit.ScriptModule,
+           run_onnx: Callable[[np.ndarray], np.ndarray] | None, meta: dict,
+           prepared_dir: Path, max_images: int | None, batch_size: int = 250) -> dict[str, Any]:
+    """PyTorch vs TorchScript vs ONNX logits on the test split (the same fp32 inputs for all three)."""
+    split = open_split(prepared_dir, "test", limit=max_images)
+    transform = make_transform({**meta, "channels_last": False})
+    ref, ts, ox, labels = [], [], [], []
+    for images, y in build_eval_loader(split, batch_size=batch_size):
+        x = transform(images)
+        ref.append(model(x))
+        ts.append(scripted(x))
+        if run_onnx is not None:
+            ox.append(torch.from_numpy(run_onnx(x.numpy())))
+        labels.append(y)
+    reference, labels_t = torch.cat(ref), torch.cat(labels)
+    result = {"images": len(labels_t), "pytorch_top1": float((reference.argmax(1) == labels_t).float().mean()),
+              "torchscript": _agreement(reference, torch.cat(ts), labels_t)}
+    result["onnx"] = _agreement(reference, torch.cat(ox), labels_t) if ox else None
+    return result
+
+
+def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_path: Path,
+                 max_images: int | None = None) -> dict[str, Any]:
+    """Write model.ts, model.onnx and meta.json to `out_dir`, and the parity report to `metrics_path`."""
+    cpu = torch.device("cpu")
+    model, meta = load_trained(model_dir, cpu)
+    model = model.to(memory_format=torch.contiguous_format).float().eval()
+    example = torch.zeros(2, meta["in_chans"], meta["image_size"], meta["image_size"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    export_torchscript(model, example, out_dir / "model.ts")
+    t_ts = time.perf_counter() - t0
+    export_onnx(model, example, out_dir / "model.onnx")
+    t_onnx = time.perf_counter() - t0 - t_ts
+    run_onnx, checker = onnx_runner(out_dir / "model.onnx")
+    scripted = torch.jit.load(str(out_dir / "model.ts"), map_location=cpu)
+    checks = parity(model, scripted, run_onnx, meta, prepared_dir, max_images)
+    check_dynamic_batch(scripted, run_onnx, meta)
+    write_json(out_dir / "meta.json", {
+        "classes": meta["classes"], "image_size": meta["image_size"], "in_chans": meta["in_chans"],
+        "mean": meta["mean"], "std": meta["std"], "input": "float32 NCHW, (pixels/255 - mean) / std",
+        "output": "logits", "weights": meta["weights"], "epoch": meta["epoch"], "onnx_opset": OPSET})
+    result = {
+        "weights": meta["weights"], "onnx_opset": OPSET, "onnx_checker": checker,
+        "torch": torch.__version__, "onnx_version": importlib.metadata.version("onnx"),
+        "export_time_s": {"torchscript": t_ts, "onnx": t_onnx},
+        "size_mb": {f.suffix[1:]: f.stat().st_size / 2**20 for f in (out_dir / "model.ts", out_dir / "model.onnx")},
+        **checks,
+    }
+    write_json(metrics_path, result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cnnpipe.export", description=__doc__.split("\n")[0])
+    parser.add_argument("variant", nargs="?", default="optimized")
+    parser.add_argument("--models", type=Path, default=Path("models"))
+    parser.add_argument("--data", type=Path, default=Path("data/prepared"))
+    parser.add_argument("--out", type=Path, default=Path("exports"), help="files go to <out>/<variant>/")
+    parser.add_argument("--metrics", type=Path, default=Path("metrics"), help="<metrics>/<variant>/export.json")
+    parser.add_argument("--max-images", type=int, help="parity on the first N test images (default: all)")
+    args = parser.parse_args(argv)
+    try:
+        result = export_model(args.models / args.variant, args.data, args.out / args.variant,
+                              args.metrics / args.variant / "export.json", args.max_images)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"export[{args.variant}]: {exc}", file=sys.stderr)
+        return 2
+    onnx = result["onnx"]
+    print(f"export[{args.variant}]: {args.out / args.variant}/model.ts + model.onnx (opset {OPSET}); "
+          f"PyTorch top-1 {result['pytorch_top1']:.4f} on {result['images']} test images; TorchScript "
+          f"agrees {result['torchscript']['top1_agreement']:.2%} (max |diff| {result['torchscript']['max_abs_diff']:.2e})"
+          + (f"; ONNX agrees {onnx['top1_agreement']:.2%} (max |diff| {onnx['max_abs_diff']:.2e})" if onnx else "")
+          + f"; checked with {result['onnx_checker']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

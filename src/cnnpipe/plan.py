@@ -1,0 +1,161 @@
+"""The time plan: predict every later stage's wall time from measured speeds, and fit a budget.
+
+The profile stages measure each recipe's training speed on this machine. From those speeds and the
+data set's size the plan predicts how long training, evaluation and export will take. When the
+whole `dvc repro` would exceed `run.budget_minutes`, it lowers the training images per epoch, by one
+rule for every variant, so the baseline/optimized comparison stays fair:
+
+- the fraction of the training split drawn per epoch comes from a fixed ladder (1, 3/4, 1/2, 3/8,
+  ...): the largest step whose predicted total fits the budget;
+- the count is rounded down to a multiple of the largest global batch, so every variant's epoch is
+  whole batches of the same images;
+- hysteresis: the previous run's fraction is kept while its prediction stays within 75%..110% of
+  the budget. Speed measurements drift by ~10% on shared machines; without this a run near a
+  ladder step would flip between two recipes from one `dvc repro` to the next.
+
+Everything here is pure: numbers in, numbers out. `budget.py` applies the choice to training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .config import RunConfig
+
+LADDER = (1.0, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 3 / 16, 1 / 8, 3 / 32, 1 / 16, 1 / 32, 1 / 64)
+KEEP_BAND = (0.75, 1.10)
+STARTUP_S = 12.0  # a stage's process start: Python, torch and timm imports, model build (measured ~8-12 s)
+EXPORT_S = 15.0  # tracing + the torch.export-based ONNX export of ResNet-50 (measured ~6 s, 2 cores)
+FP32_EXPORT_SLOWDOWN = 1.3  # export parity runs fp32 three times (PyTorch, TorchScript, ONNX Runtime)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One variant as the plan sees it: its measured speeds and how much work an epoch is."""
+
+    variant: str
+    epochs: int
+    global_batch: int
+    train_img_s: float
+    """Training images/s of the recipe training will run (the profile's tuned values)."""
+    eval_img_s: float
+    """Inference images/s, estimated from the forward share of the profiled step."""
+    profile_s: float
+    """What the profile stage already spent."""
+
+
+def recipe_from_profile(cfg: RunConfig, profile: dict[str, Any]) -> Recipe:
+    """A `Recipe` from metrics/profile/<variant>.json and the variant's resolved config."""
+    train_img_s = profile["throughput_img_s"] * profile.get("tuned_speedup", 1.0)
+    forward = profile.get("fractions", {}).get("forward") or 0.25
+    # Inference is the forward pass alone; no_grad makes it a little faster still, so this is cautious.
+    eval_img_s = train_img_s / max(forward, 0.05)
+    return Recipe(cfg.variant, cfg.train.epochs, cfg.train.batch_size * cfg.train.nproc * cfg.train.nnodes
+                  * cfg.train.accum_steps, train_img_s, eval_img_s, float(profile.get("stage_time_s", 0.0)))
+
+
+def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int) -> dict[str, float]:
+    """Predicted wall time of train, evaluate and export for one recipe."""
+    train = r.epochs * (images_per_epoch / r.train_img_s + n_val / r.eval_img_s) + STARTUP_S
+    bench = 6 * 256 / r.eval_img_s  # evaluate's model-only throughput measurement
+    evaluate = n_test / r.eval_img_s + bench + STARTUP_S
+    export = 3 * FP32_EXPORT_SLOWDOWN * n_test / r.eval_img_s + EXPORT_S + STARTUP_S
+    return {f"train@{r.variant}": train, f"evaluate@{r.variant}": evaluate, f"export@{r.variant}": export}
+
+
+def images_for(fraction: float, full: int, multiple: int) -> int:
+    """`fraction` of `full`, rounded down to whole global batches (at least one)."""
+    if fraction >= 1.0:
+        return full
+    return max(multiple, int(fraction * full) // multiple * multiple)
+
+
+def predict_total(recipes: Sequence[Recipe], fraction: float, full: int, n_val: int,
+                  n_test: int) -> tuple[int, dict[str, float], float]:
+    """(images per epoch, seconds per later stage, whole-run seconds incl. the profiles) at `fraction`."""
+    multiple = max(r.global_batch for r in recipes)
+    images = images_for(fraction, full, multiple)
+    stages: dict[str, float] = {}
+    for r in recipes:
+        stages.update(stage_seconds(r, images, n_val, n_test))
+    stages["compare"] = STARTUP_S / 2
+    spent = sum(r.profile_s for r in recipes)
+    return images, stages, spent + sum(stages.values())
+
+
+def choose_fraction(recipes: Sequence[Recipe], full: int, n_val: int, n_test: int, budget_s: float | None,
+                    previous: float | None = None) -> tuple[float, str]:
+    """The ladder fraction for this budget, and why it was chosen."""
+    if budget_s is None:
+        return 1.0, "no budget (run.budget_minutes: null)"
+    totals = {f: predict_total(recipes, f, full, n_val, n_test)[2] for f in LADDER}
+    if previous in totals and KEEP_BAND[0] * budget_s <= totals[previous] <= KEEP_BAND[1] * budget_s:
+        return previous, (f"kept the previous fraction: its prediction ({totals[previous] / 60:.1f} min) is within "
+                          f"{KEEP_BAND[0]:.0%}..{KEEP_BAND[1]:.0%} of the budget")
+    fitting = [f for f in LADDER if totals[f] <= budget_s]
+    if not fitting:
+        return LADDER[-1], (f"even {LADDER[-1]:.4g} of the images per epoch is predicted at "
+                            f"{totals[LADDER[-1]] / 60:.1f} min: OVER budget; lower train.epochs or raise "
+                            "run.budget_minutes")
+    chosen = fitting[0]
+    if chosen == 1.0:
+        return 1.0, "the whole training split fits the budget"
+    return chosen, (f"the whole split is predicted at {totals[1.0] / 60:.1f} min; {_frac(chosen)} of it per epoch "
+                    f"is the largest ladder step that fits")
+
+
+def _frac(f: float) -> str:
+    from fractions import Fraction
+
+    return str(Fraction(f).limit_denominator(64))
+
+
+def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, budget_minutes: float | None,
+              requested_images: int | None = None, previous: float | None = None) -> dict[str, Any]:
+    """The plan: per-stage predictions, the chosen images per epoch, and the reasons."""
+    full = n_train if requested_images is None else min(n_train, requested_images)
+    budget_s = None if budget_minutes is None else budget_minutes * 60.0
+    fraction, reason = choose_fraction(recipes, full, n_val, n_test, budget_s, previous)
+    images, stages, total = predict_total(recipes, fraction, full, n_val, n_test)
+    _, _, unbudgeted = predict_total(recipes, 1.0, full, n_val, n_test)
+    return {
+        "budget_minutes": budget_minutes,
+        "fraction": fraction,
+        "images_per_epoch": images,
+        "train_images": n_train,
+        "predicted_s": stages,
+        "profile_s": {f"profile@{r.variant}": r.profile_s for r in recipes},
+        "predicted_total_s": total,
+        "predicted_total_unbudgeted_s": unbudgeted,
+        "fits": budget_s is None or total <= budget_s * KEEP_BAND[1],
+        "reason": reason,
+        "recipes": [asdict(r) for r in recipes],
+    }
+
+
+def to_text(plan: dict[str, Any]) -> str:
+    """The plan as the lines `dvc repro` prints before training starts (and plan.md holds)."""
+    budget = plan["budget_minutes"]
+    lines = [f"# Time plan ({'budget ' + format(budget, 'g') + ' min' if budget else 'no budget'})", "",
+             "| stage | predicted |", "| --- | ---: |"]
+    for name, seconds in {**plan["profile_s"], **plan["predicted_s"]}.items():
+        kind = " (measured)" if name.startswith("profile@") else ""
+        lines.append(f"| {name} | {seconds / 60:.1f} min{kind} |")
+    lines += [f"| **whole run** | **{plan['predicted_total_s'] / 60:.1f} min** |", "",
+              f"Training images per epoch: **{plan['images_per_epoch']}** of {plan['train_images']} "
+              f"(fraction {_frac(plan['fraction'])}): {plan['reason']}."]
+    if plan["fraction"] < 1.0:
+        lines.append(f"Without the budget the run would take ~{plan['predicted_total_unbudgeted_s'] / 60:.0f} min.")
+    lines += ["", "Speeds measured by the profile stages: " + "; ".join(
+        f"{r['variant']} {r['train_img_s']:.0f} img/s training, ~{r['eval_img_s']:.0f} img/s inference"
+        for r in plan["recipes"]) + ".", ""]
+    return "\n".join(lines)
+
+
+def budget_values(plan: dict[str, Any]) -> dict[str, Any]:
+    """What training depends on: only the chosen values, so a re-measured plan that chooses the same
+    recipe retrains nothing."""
+    return {"fraction": plan["fraction"],
+            "images_per_epoch": None if plan["fraction"] >= 1.0 else plan["images_per_epoch"]}

@@ -1,0 +1,139 @@
+"""The time plan and budget (pure), the per-epoch subset it relies on, and the CPU report."""
+
+import os
+
+import numpy as np
+import pytest
+
+from cnnpipe import hardware
+from cnnpipe.config import ParamsError, budget_config, load_params, resolve
+from cnnpipe.data.loaders import ShardSampler
+from cnnpipe.budget import apply_budget
+from cnnpipe.plan import LADDER, Recipe, budget_values, make_plan, predict_total, recipe_from_profile, to_text
+
+from conftest import ROOT, tiny_params, write_params
+
+# Fashion-MNIST's split sizes and this machine's measured speeds (dvc.lock run, img/s).
+N_TRAIN, N_VAL, N_TEST = 54_000, 6_000, 10_000
+
+
+def recipes(slowdown: float = 1.0) -> list[Recipe]:
+    """Baseline and optimized as the profile measured them here, `slowdown` times slower."""
+    return [Recipe("baseline", 4, 64, 300 / slowdown, 1400 / slowdown, 35 * slowdown),
+            Recipe("optimized", 4, 256, 445 / slowdown, 2500 / slowdown, 63 * slowdown)]
+
+
+def test_a_run_that_fits_keeps_the_whole_split():
+    plan = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=60)
+    assert plan["fraction"] == 1.0 and plan["images_per_epoch"] == N_TRAIN and plan["fits"]
+    assert budget_values(plan) == {"fraction": 1.0, "images_per_epoch": None}  # training sees no cap
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 2.0, 4.0])  # machines of this kind differ by 4x
+def test_over_budget_shrinks_every_variant_alike_until_it_fits(slowdown):
+    plan = make_plan(recipes(slowdown), N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
+    assert plan["predicted_total_s"] <= 20 * 60 < plan["predicted_total_unbudgeted_s"]
+    assert plan["fraction"] in LADDER and plan["fraction"] < 1.0
+    assert plan["images_per_epoch"] % 256 == 0  # whole batches of the largest global batch
+    # The largest fitting step: the next larger one would not fit.
+    larger = LADDER[LADDER.index(plan["fraction"]) - 1]
+    assert predict_total(recipes(slowdown), larger, N_TRAIN, N_VAL, N_TEST)[2] > 20 * 60
+    # Slower machines get less data per epoch, never more.
+    if slowdown > 1:
+        faster = make_plan(recipes(slowdown / 2), N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
+        assert plan["fraction"] <= faster["fraction"]
+
+
+def test_the_prediction_adds_up_stage_by_stage():
+    images, stages, total = predict_total(recipes(), 0.5, N_TRAIN, N_VAL, N_TEST)
+    assert images == 26_880  # 0.5 * 54,000 = 27,000 → 105 whole batches of 256
+    assert set(stages) == {"train@baseline", "train@optimized", "evaluate@baseline", "evaluate@optimized",
+                           "export@baseline", "export@optimized", "compare"}
+    assert total == pytest.approx(sum(stages.values()) + 35 + 63)
+    train_only = 4 * images / 300
+    assert stages["train@baseline"] > train_only  # validation and start-up are on top
+
+
+def test_hysteresis_keeps_the_previous_choice_near_a_boundary():
+    fresh = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
+    smaller = LADDER[LADDER.index(fresh["fraction"]) + 1]
+    kept = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=20, previous=smaller)
+    total = predict_total(recipes(), smaller, N_TRAIN, N_VAL, N_TEST)[2]
+    if 0.75 * 20 * 60 <= total:
+        assert kept["fraction"] == smaller and "kept" in kept["reason"]
+    # Far outside the band the previous choice is dropped: a budget 5x larger takes the whole split.
+    assert make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, 100, previous=smaller)["fraction"] == 1.0
+
+
+def test_no_budget_and_hopeless_budgets_are_said_plainly():
+    assert make_plan(recipes(8), N_TRAIN, N_VAL, N_TEST, budget_minutes=None)["fraction"] == 1.0
+    hopeless = make_plan(recipes(50), N_TRAIN, N_VAL, N_TEST, budget_minutes=1)
+    assert hopeless["fraction"] == LADDER[-1] and not hopeless["fits"] and "OVER budget" in hopeless["reason"]
+    assert "OVER budget" in to_text(hopeless)
+
+
+def test_the_plan_text_names_every_stage_and_the_choice():
+    text = to_text(make_plan(recipes(4), N_TRAIN, N_VAL, N_TEST, budget_minutes=20))
+    for name in ("profile@baseline", "train@baseline", "train@optimized", "evaluate@optimized", "whole run",
+                 "Training images per epoch"):
+        assert name in text
+
+
+def test_the_budget_only_ever_lowers_images_per_epoch(tmp_path):
+    cfg = resolve(load_params(write_params(tmp_path / "p.yaml", tiny_params())), "optimized")
+    assert apply_budget(cfg, {}).train.images_per_epoch is None
+    assert apply_budget(cfg, {"images_per_epoch": 512}).train.images_per_epoch == 512
+    asked = cfg.with_train(images_per_epoch=256)
+    assert apply_budget(asked, {"images_per_epoch": 512}).train.images_per_epoch == 256
+
+
+def test_recipe_uses_the_tuned_speed_and_the_forward_share(tmp_path):
+    cfg = resolve(load_params(write_params(tmp_path / "p.yaml", tiny_params())), "optimized")
+    profile = {"throughput_img_s": 400.0, "tuned_speedup": 1.25, "fractions": {"forward": 0.2},
+               "stage_time_s": 30.0}
+    recipe = recipe_from_profile(cfg, profile)
+    assert recipe.train_img_s == 500.0 and recipe.eval_img_s == pytest.approx(2500.0)
+    assert recipe.global_batch == cfg.train.batch_size and recipe.profile_s == 30.0
+
+
+def test_budget_param_is_validated(tmp_path):
+    params = tiny_params()
+    params["run"] = {"budget_minutes": 0}
+    with pytest.raises(ParamsError, match=r"`run.budget_minutes` = 0"):
+        load_params(write_params(tmp_path / "p.yaml", params))
+    params["run"] = {"budget_minutes": None}
+    assert budget_config(load_params(write_params(tmp_path / "p.yaml", params))).budget_minutes is None
+    params["train"]["images_per_epoch"] = 0
+    with pytest.raises(ParamsError, match="train.images_per_epoch"):
+        load_params(write_params(tmp_path / "p.yaml", params))
+
+
+def test_the_shipped_params_have_a_budget():
+    assert budget_config(load_params(ROOT / "params.yaml")).budget_minutes == 20
+
+
+def test_per_epoch_subset_is_fresh_each_epoch_and_sharded_exactly():
+    sampler = ShardSampler(1000, 32, shuffle=True, drop_last=True, seed=3, per_epoch=256)
+    assert len(sampler) == 8
+    first = np.concatenate([b for b in sampler])
+    sampler.set_epoch(1)
+    second = np.concatenate([b for b in sampler])
+    assert len(first) == len(set(first)) == 256 and len(second) == 256
+    assert set(first) != set(second)  # a different random subset each epoch
+    ranks = [ShardSampler(1000, 32, shuffle=True, drop_last=True, seed=3, rank=r, world_size=2, per_epoch=256)
+             for r in range(2)]
+    assert sorted(np.concatenate([np.concatenate(list(r)) for r in ranks])) == sorted(first)
+    assert len(ShardSampler(1000, 32, shuffle=True, drop_last=True, per_epoch=5000)) == 1000 // 32
+
+
+def test_cpu_report_matches_proc_cpuinfo():
+    report = hardware.cpu_report()
+    assert 1 <= report["usable_cores"] <= (os.cpu_count() or 1)
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    assert set(report["features"]) == flags & set(hardware.FEATURES)
+    assert report["fast_bf16"] == bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -1,0 +1,173 @@
+"""Using the trained model: predict on image files, export to TorchScript/ONNX, the mistakes gallery."""
+
+import csv
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cnnpipe import checkpoint as ckpt
+from cnnpipe import export, predict, trainer
+from cnnpipe.config import load_params, resolve
+from cnnpipe.data.loaders import build_eval_loader
+from cnnpipe.data.prepare import prepare_fashion_mnist
+from cnnpipe.data.store import open_split
+from cnnpipe.distributed import DistInfo
+from cnnpipe.engine import predict as engine_predict
+from cnnpipe.evaluation import evaluate, load_trained, make_transform
+from cnnpipe.gallery import most_confident_mistakes
+
+from conftest import save_image, tiny_params, write_params
+
+
+@pytest.fixture(scope="module")
+def trained(fake_fmnist, tmp_path_factory):
+    """A prepared split (stored at the native 28 px) and a tiny model trained on it."""
+    root = tmp_path_factory.mktemp("use")
+    cfg = resolve(load_params(write_params(root / "params.yaml", tiny_params(epochs=3))), "optimized")
+    prepared = root / "prepared"
+    prepared.mkdir()
+    prepare_fashion_mnist(cfg.data, 0, prepared, search_dirs=(fake_fmnist,))
+    trainer.fit(cfg, DistInfo(), prepared, root / "models", root / "train.json", root / "live")
+    return root, prepared, root / "models"
+
+
+def model_predictions(models, prepared, n):
+    """Class probabilities of the first `n` test images through evaluation's own path."""
+    model, meta = load_trained(models, torch.device("cpu"))
+    split = open_split(prepared, "test", limit=n)
+    logits, labels = engine_predict(model, build_eval_loader(split, batch_size=64), make_transform(meta),
+                                    torch.device("cpu"), meta["amp"])
+    return torch.softmax(logits, 1), labels, split
+
+
+def test_predicting_image_files_gives_what_evaluation_gives(trained, tmp_path):
+    _, prepared, models = trained
+    probs, _, split = model_predictions(models, prepared, 40)
+    for i in range(40):  # the test images as the PNG files a user would have
+        save_image(tmp_path / "photos" / f"{i:03d}.png", np.asarray(split.images[i])[..., 0])
+    predictor = predict.Predictor.load(models, prepared, torch.device("cpu"))
+    results = list(predictor.predict(predict.list_inputs(tmp_path / "photos"), topk=3, batch_size=16))
+    assert [r.error for r in results] == [None] * 40
+    classes = open_split(prepared, "test").classes
+    assert [r.label for r in results] == [classes[i] for i in probs.argmax(1).tolist()]
+    np.testing.assert_allclose([r.probability for r in results], probs.max(1).values.numpy(), atol=1e-5)
+    assert all(len(r.topk) == 3 and r.topk[0][1] >= r.topk[1][1] >= r.topk[2][1] for r in results)
+
+
+def test_broken_and_foreign_files_get_error_rows_never_a_crash(trained, tmp_path, capsys):
+    _, prepared, models = trained
+    photos = tmp_path / "photos"
+    rng = np.random.default_rng(0)
+    save_image(photos / "shoe.jpg", rng.integers(0, 255, (60, 80, 3), dtype=np.uint8))
+    rgba = rng.integers(0, 255, (30, 30, 4), dtype=np.uint8)
+    save_image(photos / "nested" / "bag.webp", rgba)
+    save_image(photos / "nested" / "icon.png", rgba)
+    (photos / "truncated.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    (photos / "empty.png").write_bytes(b"")
+    (photos / "notes.txt").write_text("not an image")
+    (photos / ".hidden.png").write_bytes(b"")  # hidden files are skipped, as in prepare
+    out = tmp_path / "preds.csv"
+    rc = predict.main([str(photos), "--model", str(models / "best.pt"), "--data", str(prepared),
+                       "--topk", "2", "--out", str(out)])
+    assert rc == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["path"].rsplit("/", 1)[1] for r in rows] == ["empty.png", "bag.webp", "icon.png", "notes.txt",
+                                                           "shoe.jpg", "truncated.jpg"]
+    errors = {r["path"].rsplit("/", 1)[1]: r["error"] for r in rows}
+    assert errors["empty.png"] == "empty file (0 bytes)" and "not an image" in errors["notes.txt"]
+    assert "truncated" in errors["truncated.jpg"] or "corrupt" in errors["truncated.jpg"]
+    assert all(errors[name] == "" for name in ("shoe.jpg", "bag.webp", "icon.png"))
+    assert all(len(r["topk"].split(";")) == 2 for r in rows if not r["error"])
+    assert "4 classified" not in capsys.readouterr().err  # 3 classified, 3 could not be read
+    json_out = tmp_path / "preds.json"
+    assert predict.main([str(photos / "shoe.jpg"), "--model", str(models), "--data", str(prepared),
+                         "--out", str(json_out)]) == 0
+    (only,) = json.loads(json_out.read_text())
+    assert only["error"] is None and only["label"] in open_split(prepared, "test").classes
+
+
+def test_cli_refuses_what_it_cannot_do(trained, tmp_path, capsys):
+    _, prepared, models = trained
+    assert predict.main([str(tmp_path / "missing"), "--model", str(models)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert predict.main([str(tmp_path), "--model", str(tmp_path)]) == 2
+    assert "best.pt not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        predict.main([str(tmp_path), "--out", "preds.xlsx"])
+
+
+def test_colour_photos_become_the_greyscale_the_model_was_trained_on():
+    red, white = np.full((2, 2, 3), (255, 0, 0), np.uint8), np.full((2, 2, 3), 255, np.uint8)
+    assert predict.to_channels(red, 1)[0, 0, 0] == 76  # ITU-R 601 luma, as PIL's convert("L")
+    assert predict.to_channels(white, 1).shape == (2, 2, 1) and predict.to_channels(white, 1).max() == 255
+    assert predict.to_channels(red, 3) is red
+
+
+def test_exports_match_pytorch_on_the_test_split(trained, tmp_path):
+    _, prepared, models = trained
+    result = export.export_model(models, prepared, tmp_path / "exports", tmp_path / "export.json")
+    assert (tmp_path / "exports" / "model.ts").stat().st_size > 0
+    assert (tmp_path / "exports" / "model.onnx").stat().st_size > 0
+    assert result["onnx_checker"].startswith("onnxruntime") and result["onnx_opset"] >= 17
+    assert result["images"] == len(open_split(prepared, "test"))
+    for name in ("torchscript", "onnx"):
+        assert result[name]["top1_agreement"] == 1.0, name
+        assert result[name]["max_abs_diff"] < 1e-3, name
+        assert result[name]["top1"] == pytest.approx(result["pytorch_top1"])
+    meta = json.loads((tmp_path / "exports" / "meta.json").read_text())
+    assert meta["classes"] == open_split(prepared, "test").classes and meta["weights"] == "model"
+    assert json.loads((tmp_path / "export.json").read_text())["onnx"]["top1_agreement"] == 1.0
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(tmp_path / "exports" / "model.onnx"), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"images": np.zeros((3, 1, 28, 28), np.float32)})
+    assert out.shape == (3, 10)  # a batch size never seen at export time
+
+
+def test_without_onnxruntime_export_says_only_the_checker_ran(trained, tmp_path, monkeypatch):
+    _, prepared, models = trained
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if it never installed
+    result = export.export_model(models, prepared, tmp_path / "exports", tmp_path / "export.json", max_images=20)
+    assert result["onnx"] is None and result["onnx_checker"].startswith("onnx.checker")
+    assert "no numerical parity" in result["onnx_checker"]
+    assert result["torchscript"]["top1_agreement"] == 1.0
+
+
+def test_most_confident_mistakes_are_wrong_sorted_and_deterministic():
+    logits = torch.tensor([[5.0, 0.0], [0.0, 9.0], [0.0, 2.0], [0.0, 2.0], [3.0, 0.0]])
+    labels = torch.tensor([0, 0, 0, 0, 1])
+    mistakes = most_confident_mistakes(logits, labels, 3)
+    assert [m[0] for m in mistakes] == [1, 4, 2]  # 9.0 > 3.0 > 2.0 (tie with 3: the lower index)
+    assert all(actual != predicted for _, actual, predicted, _ in mistakes)
+    assert mistakes[0][3] == pytest.approx(torch.softmax(torch.tensor([0.0, 9.0]), 0)[1].item())
+    assert most_confident_mistakes(logits[:1], labels[:1], 5) == []
+
+
+def test_evaluate_writes_the_gallery(trained, tmp_path):
+    _, prepared, models = trained
+    result = evaluate(models, prepared, tmp_path, torch.device("cpu"), gallery_size=8)
+    png = (tmp_path / "mistakes.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    listed = json.loads((tmp_path / "classes.json").read_text())["most_confident_mistakes"]
+    wrong = round((1 - result["top1"]) * result["images"])
+    assert len(listed) == min(8, wrong) and all(m["actual"] != m["predicted"] for m in listed)
+    assert [m["probability"] for m in listed] == sorted((m["probability"] for m in listed), reverse=True)
+    assert result["weights"] == "model"
+
+
+@pytest.mark.parametrize("ema_better", [True, False])
+def test_ema_weights_are_used_when_they_validated_better(trained, tmp_path, ema_better):
+    _, _, models = trained
+    best = ckpt.load(models / "best.pt")
+    ema = {k: (v + 1.0 if v.is_floating_point() else v) for k, v in best["model"].items()}
+    ckpt.save_atomic({**best, "ema": ema, "epoch": 1}, tmp_path / "best.pt")
+    record = {"val_top1": 0.5, "val_top1_ema": 0.6 if ema_better else 0.4}
+    ckpt.save_atomic({"history": [record]}, tmp_path / "last.pt")
+    model, meta = load_trained(tmp_path, torch.device("cpu"))
+    assert meta["weights"] == ("ema" if ema_better else "model")
+    name = next(k for k, v in best["model"].items() if v.is_floating_point())
+    expected = ema[name] if ema_better else best["model"][name]
+    assert torch.equal(model.state_dict()[name], expected)
