@@ -11,8 +11,7 @@ for), minus the benchmark's own test evaluations. Each run is a whole recipe: it
 reported as "not reached after T s", which still bounds the ratio: optimized / baseline < t_opt / T.
 
     python bench/time_to_accuracy.py --target 0.88                          # after `dvc repro`
-    python bench/time_to_accuracy.py --variants optimized baseline --epochs optimized=4 baseline=8 \\
-        --max-minutes 25
+    python bench/time_to_accuracy.py --epochs optimized=4 baseline=8 --cap-ratio 2.2
 
 Prints a table and writes bench_out/time_to_accuracy.json.
 """
@@ -92,6 +91,9 @@ def main() -> None:
     parser.add_argument("--epochs", nargs="+", help="schedule length: N, or VARIANT=N per variant")
     parser.add_argument("--images-per-epoch", type=int, help="override train.images_per_epoch (default: all)")
     parser.add_argument("--max-minutes", type=float, help="stop a recipe that has not reached the target by then")
+    parser.add_argument("--cap-ratio", type=float,
+                        help="cap every later recipe at this multiple of the first one's time to target "
+                             "(e.g. 2.0 answers 'does the second take at least twice as long?' for less)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
     raw, epochs = load_params(args.params), parse_epochs(args.epochs)
@@ -105,8 +107,12 @@ def main() -> None:
         work = args.out / "tta" / variant
         shutil.rmtree(work, ignore_errors=True)  # a fresh run, never a resume
         print(f"{variant}: up to {count} epochs, target test top-1 {args.target:.1%}", flush=True)
+        caps = [args.max_minutes * 60] if args.max_minutes else []
+        first = next(iter(results.values()), None)
+        if args.cap_ratio and first and first["seconds_to_target"]:
+            caps.append(args.cap_ratio * first["seconds_to_target"])
         hook = Top1Tracker(args.data, info, resolve_auto(cfg, info.device, tuned), args.target,
-                            args.max_minutes * 60 if args.max_minutes else None)
+                           min(caps) if caps else None)
         try:
             fit(cfg, info, args.data, work / "models", work / "train.json", work / "live", tuned=tuned,
                 epoch_hook=hook)

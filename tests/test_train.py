@@ -16,7 +16,7 @@ from cnnpipe.config import ModelConfig, load_params, resolve
 from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.distributed import DistInfo
 from cnnpipe.models import WeightsUnavailable, create_model
-from cnnpipe.schedule import lr_at
+from cnnpipe.schedule import lr_at, warmup_steps
 
 from conftest import tiny_params, write_params
 
@@ -96,6 +96,14 @@ def test_schedule_warmup_peak_and_end():
     assert lr_at(55, **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(100, **kw) == pytest.approx(0.1)
     assert lr_at(50, total_steps=100, peak_lr=0.3, kind="constant") == 0.3
+
+
+def test_warmup_counts_images_not_budget_shortened_epochs():
+    # 0.3 passes over 54,000 images at batch 256: 63 steps, whatever an epoch draws.
+    assert warmup_steps(0.3, 54_000, 256, total_steps=844) == 63
+    assert warmup_steps(0.3, 54_000, 256, total_steps=208) == 63  # 1/4 of the split per epoch
+    assert warmup_steps(0.3, 54_000, 256, total_steps=52) == 26  # never more than half the run
+    assert warmup_steps(0.0, 54_000, 256, total_steps=52) == 0
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pth"])

@@ -108,7 +108,8 @@ class TrainConfig:
     weight_decay: float = 5e-5
     schedule: Literal["constant", "cosine"] = "cosine"
     warmup_epochs: float = 0.3
-    """Linear warmup length, in (fractional) epochs; stepped per optimizer step."""
+    """Linear warmup length, in passes over the whole training split (so a budget that draws fewer
+    images per epoch keeps the same number of warmup steps); stepped per optimizer step."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of the peak LR."""
     label_smoothing: float = 0.1

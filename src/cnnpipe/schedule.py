@@ -21,3 +21,13 @@ def lr_at(step: int, *, total_steps: int, peak_lr: float, warmup_steps: int = 0,
 def scaled_lr(base_lr: float, global_batch: int, reference_batch: int = 256) -> float:
     """Linear scaling rule: `base_lr` is quoted for a global batch of `reference_batch`."""
     return base_lr * global_batch / reference_batch
+
+
+def warmup_steps(warmup_epochs: float, train_images: int, global_batch: int, total_steps: int) -> int:
+    """Warmup length in optimizer steps: `warmup_epochs` passes over the whole training split.
+
+    Counted in images seen, not in (possibly budget-shortened) epochs: what warmup protects, the
+    first updates of a randomly initialised network at full LR, takes a number of steps that does
+    not shrink when an epoch draws fewer images. Never more than half the run.
+    """
+    return min(int(round(warmup_epochs * train_images / global_batch)), total_steps // 2)

@@ -30,7 +30,7 @@ from .hardware import cpu_report, usable_cores
 from .models import InitInfo, create_model, model_mean_std
 from .monitor import GpuUtilSampler, peak_mem_mb
 from .precision import grad_scaler, resolve_amp
-from .schedule import lr_at, scaled_lr
+from .schedule import lr_at, scaled_lr, warmup_steps
 from .tuning import resolve_auto
 
 
@@ -183,10 +183,10 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
         raise ValueError(f"train.accum_steps={t.accum_steps} exceeds the {len(train_loader)} batches per epoch")
     steps_per_epoch = len(train_loader) // t.accum_steps
     total_steps = steps_per_epoch * t.epochs
-    warmup_steps = int(round(t.warmup_epochs * steps_per_epoch)) if t.schedule == "cosine" else 0
+    warmup = warmup_steps(t.warmup_epochs, len(train_split), global_batch, total_steps) if t.schedule == "cosine" else 0
 
     def lr_for_step(step: int) -> float:
-        return lr_at(step, total_steps=total_steps, peak_lr=peak_lr, warmup_steps=warmup_steps,
+        return lr_at(step, total_steps=total_steps, peak_lr=peak_lr, warmup_steps=warmup,
                      kind=t.schedule, min_lr_ratio=t.min_lr_ratio)
 
     # ---- resume
