@@ -123,7 +123,9 @@ def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_pat
     export_onnx(model, example, out_dir / "model.onnx")
     t_onnx = time.perf_counter() - t0 - t_ts
     run_onnx, checker = onnx_runner(out_dir / "model.onnx")
-    scripted = torch.jit.load(str(out_dir / "model.ts"), map_location=cpu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # TorchScript's deprecation notice; loading works
+        scripted = torch.jit.load(str(out_dir / "model.ts"), map_location=cpu)
     checks = parity(model, scripted, run_onnx, meta, prepared_dir, max_images)
     check_dynamic_batch(scripted, run_onnx, meta)
     write_json(out_dir / "meta.json", {
