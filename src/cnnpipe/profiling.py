@@ -255,12 +255,13 @@ def paired_trial(knob: str, change: dict[str, Any], current: Setup, candidate: S
         before.append(current.images_per_step / a)
         after.append(candidate.images_per_step / b)
         ratios.append(after[-1] / before[-1])
-        if ratios[-1] < CLEAR_LOSS or (len(ratios) >= 2 and min(ratios) <= 1.0):
+        clear_loss = len(ratios) == 1 and ratios[0] < CLEAR_LOSS  # later rounds: the rule below covers it
+        if clear_loss or (len(ratios) >= 2 and min(ratios) <= 1.0):
             break
     speedup = statistics.median(ratios)
     note = ""
     if len(ratios) < rounds:
-        note = (f"stopped after 1 round: under {CLEAR_LOSS:.0%} of the speed" if ratios[-1] < CLEAR_LOSS
+        note = (f"stopped after 1 round: under {CLEAR_LOSS:.0%} of the speed" if len(ratios) == 1
                 else f"stopped after {len(ratios)} rounds: slower in one")
     return Trial(knob, change, speedup, (min(ratios), max(ratios)), statistics.median(before),
                  statistics.median(after), win=speedup >= 1 + min_gain and min(ratios) > 1.0, note=note)
