@@ -22,17 +22,14 @@ from .monitor import peak_mem_mb
 from .precision import autocast
 
 
-def ema_is_better(model_dir: Path) -> bool:
-    """True when best.pt carries EMA weights that scored higher on validation than the raw weights.
-
-    The scores come from the training history in last.pt, at the epoch best.pt was saved.
+def ema_is_better(best: dict[str, Any], last: Path) -> bool:
+    """True when the `best` checkpoint carries EMA weights that scored higher on validation than its
+    raw weights. The scores come from the training history in `last`, at the epoch best was saved.
     """
-    best, last = model_dir / "best.pt", model_dir / "last.pt"
-    state = ckpt.load(best)
-    if not state.get("ema") or not last.exists():
+    if not best.get("ema") or not last.exists():
         return False
     history = ckpt.load(last).get("history", [])
-    epoch = state.get("epoch", 0)
+    epoch = best.get("epoch", 0)
     record = history[epoch - 1] if 0 < epoch <= len(history) else {}
     return record.get("val_top1_ema", -1.0) > record.get("val_top1", -1.0)
 
@@ -49,7 +46,7 @@ def load_trained(model_dir: Path, device: torch.device, use_ema: bool | None = N
     state = ckpt.load(path)
     meta = dict(state["meta"])
     if use_ema is None:
-        use_ema = ema_is_better(model_dir)
+        use_ema = ema_is_better(state, model_dir / "last.pt")
     model = timm.create_model(meta["model_name"], pretrained=False, num_classes=meta["num_classes"],
                               in_chans=meta["in_chans"])
     use_ema = bool(use_ema and state.get("ema"))

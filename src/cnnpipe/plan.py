@@ -19,6 +19,7 @@ Everything here is pure: numbers in, numbers out. `budget.py` applies the choice
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -107,8 +108,6 @@ def choose_fraction(recipes: Sequence[Recipe], full: int, n_val: int, n_test: in
 
 
 def _frac(f: float) -> str:
-    from fractions import Fraction
-
     return str(Fraction(f).limit_denominator(64))
 
 

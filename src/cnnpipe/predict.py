@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .data.decode import decode_file
+from .data.decode import decode_file, is_hidden
 from .data.store import read_index
 from .distributed import resolve_device
 from .evaluation import load_trained, make_transform
@@ -58,8 +58,7 @@ def list_inputs(target: Path) -> list[Path]:
         raise FileNotFoundError(f"{target} does not exist")
     if target.is_file():
         return [target]
-    return sorted(p for p in target.rglob("*")
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(target).parts))
+    return sorted(p for p in target.rglob("*") if p.is_file() and not is_hidden(p, target))
 
 
 def to_channels(image: np.ndarray, channels: int) -> np.ndarray:

@@ -28,6 +28,11 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", 
 Image.MAX_IMAGE_PIXELS = None
 
 
+def is_hidden(path: Path, root: Path) -> bool:
+    """A dot-file, or a file under a dot-folder below `root`: skipped by prepare and predict alike."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
 @dataclass(frozen=True)
 class Decoded:
     """Outcome of decoding one file: `image` is None when the file was rejected."""

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from ..config import DataConfig
 from ..files import write_json
 from . import idx
-from .decode import IMAGE_EXTENSIONS, Decoded, decode_file
+from .decode import IMAGE_EXTENSIONS, Decoded, decode_file, is_hidden
 from .store import SPLITS, SplitWriter, write_index
 
 SPLIT_ALIASES = {"train": "train", "val": "val", "validation": "val", "valid": "val", "test": "test"}
@@ -118,15 +118,11 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
 
 
 # --------------------------------------------------------------------------- ImageFolder
-def _is_hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
 def _class_files(class_dir: Path) -> tuple[list[Path], list[Path]]:
     """(image files, ignored non-image files) under one class folder, recursively, sorted."""
     images, ignored = [], []
     for path in sorted(p for p in class_dir.rglob("*") if p.is_file() or p.is_symlink()):
-        if _is_hidden(path, class_dir):
+        if is_hidden(path, class_dir):
             continue
         (images if path.suffix.lower() in IMAGE_EXTENSIONS else ignored).append(path)
     return images, ignored
