@@ -10,6 +10,7 @@ from cnnpipe.config import ParamsError, budget_config, load_params, resolve
 from cnnpipe.data.loaders import ShardSampler
 from cnnpipe.budget import apply_budget
 from cnnpipe.plan import LADDER, Recipe, budget_values, make_plan, predict_total, recipe_from_profile, to_text
+from cnnpipe.schedule import MIN_BATCH, batch_for_steps, steps_per_run
 
 from conftest import ROOT, tiny_params, write_params
 
@@ -137,3 +138,47 @@ def test_cpu_report_matches_proc_cpuinfo():
                 break
     assert set(report["features"]) == flags & set(hardware.FEATURES)
     assert report["fast_bf16"] == bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def test_min_steps_halves_the_batch_down_to_the_floor():
+    # 4 epochs of 4,864 images: batch 256 gives 76 steps, 128 gives 152, 64 gives 304.
+    assert steps_per_run(4864, 4, 256) == 76
+    assert batch_for_steps(256, None, 4864, 4) == 256  # null: the batch is the params'
+    assert batch_for_steps(256, 150, 4864, 4) == 128
+    assert batch_for_steps(256, 300, 4864, 4) == 64
+    assert batch_for_steps(256, 10_000, 4864, 4) == MIN_BATCH  # never below the floor
+    assert batch_for_steps(32, 10_000, 4864, 4) == 32  # nor above the params' batch
+    assert batch_for_steps(256, 300, 54_000, 4) == 256  # a long run keeps its batch
+    # Processes and accumulation multiply the global batch: fewer steps, so halved further.
+    assert batch_for_steps(256, 150, 4864, 4, world_size=2) == 64
+    assert steps_per_run(4864, 4, 64, world_size=2, accum_steps=2) == 4 * (2432 // 64 // 2)
+
+
+def test_the_plan_predicts_the_smaller_batch_at_its_measured_speed():
+    slow = Recipe("optimized", 4, 256, 200.0, 1000.0, 60.0, batch_size=256, min_steps=300,
+                  smaller_batch_speed={128: 0.9, 64: 0.75})
+    assert slow.batch_for(54_000) == 256 and slow.train_speed(54_000) == 200.0
+    assert slow.batch_for(4864) == 64 and slow.train_speed(4864) == 150.0
+    plain = Recipe("optimized", 4, 256, 200.0, 1000.0, 60.0, batch_size=256)
+    base = Recipe("baseline", 4, 64, 150.0, 800.0, 30.0, batch_size=64)
+    full = make_plan([base, slow], N_TRAIN, N_VAL, N_TEST, budget_minutes=None)
+    assert full["batch"] == {"baseline": 64, "optimized": 256}
+    tight = make_plan([base, slow], N_TRAIN, N_VAL, N_TEST, budget_minutes=8)
+    assert tight["batch"]["optimized"] < 256 and tight["batch"]["baseline"] == 64
+    # The slower small batch costs time the plan accounts for.
+    same = predict_total([base, plain], tight["fraction"], N_TRAIN, N_VAL, N_TEST)[2]
+    assert tight["predicted_total_s"] > same
+    assert "train.min_steps" in to_text(tight) and "at batch 64: 0.75x" in to_text(tight)
+
+
+def test_recipe_reads_the_smaller_batch_speeds_from_the_profile(tmp_path):
+    params = tiny_params()
+    params["train"]["min_steps"] = 100
+    cfg = resolve(load_params(write_params(tmp_path / "p.yaml", params)), "optimized")
+    profile = {"throughput_img_s": 400.0, "fractions": {"forward": 0.2}, "stage_time_s": 30.0,
+               "smaller_batches": [{"change": {"batch_size": 64}, "speedup": 0.8}]}
+    recipe = recipe_from_profile(cfg, profile)
+    assert recipe.min_steps == 100 and recipe.smaller_batch_speed == {64: 0.8}
+    params["train"]["min_steps"] = 0
+    with pytest.raises(ParamsError, match="train.min_steps"):
+        load_params(write_params(tmp_path / "p.yaml", params))

@@ -255,6 +255,28 @@ def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(mo
     assert not only.win and only.note == "out of memory" and only.change == {"batch_size": 32}
 
 
+def test_smaller_batches_are_measured_for_min_steps_and_never_tuned(monkeypatch, tmp_path):
+    import cnnpipe.profiling as prof
+
+    measured = []
+
+    def fake_trial(knob, change, current, candidate, rounds, steps, min_gain):
+        measured.append(change["batch_size"])
+        return Trial(knob, change, 1.2, (1.1, 1.3), 100.0, 120.0, win=True)  # faster: still not a win
+
+    monkeypatch.setattr(prof, "build_setup", lambda *a: object())
+    monkeypatch.setattr(prof, "paired_trial", fake_trial)
+    none = config(tmp_path, batch_size=256, min_steps=None)
+    assert prof.smaller_batch_trials(none, DistInfo(), tmp_path, None) == []
+    trials = prof.smaller_batch_trials(config(tmp_path, batch_size=256, min_steps=500), DistInfo(), tmp_path, None)
+    assert measured == [128, 64] and [t.knob for t in trials] == ["smaller_batch"] * 2  # down to MIN_BATCH
+    assert not any(t.win for t in trials)
+    result = {"variant": "optimized", "step_time_median_s": 0.1, "throughput_img_s": 100.0, "fractions": {},
+              "bottleneck": "compute", "recommendations": [], "trials": [], "combined_trial": None, "tuned": {},
+              "batch_size": 256, "smaller_batches": [t.to_dict() for t in trials]}
+    assert "batch 64 (for train.min_steps): 1.20x the speed of batch 256" in prof.summary(result)
+
+
 @pytest.mark.parametrize("candidate_times, rounds_run, win", [
     ([0.8, 0.8, 0.8], 3, True),     # 1.25x in every round
     ([0.8, 1.1, 0.8], 2, False),    # slower in round 2: cannot win any more, stops

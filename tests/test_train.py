@@ -50,6 +50,19 @@ def test_fit_writes_checkpoints_and_the_metrics_contract(tmp_path, prepared, var
     assert summary["history"][-1]["train_loss"] < summary["history"][0]["train_loss"] * 1.5
 
 
+def test_min_steps_halves_the_batch_of_a_short_run(tmp_path, prepared):
+    # 2 epochs of 256 images at batch 128 are 4 steps; min_steps 8 halves the batch to 64 (LR with it).
+    cfg = run_config(tmp_path, batch_size=128, images_per_epoch=256, min_steps=8)
+    summary = fit(cfg, prepared, tmp_path)
+    assert summary["global_batch"] == 64 and summary["optimizer_steps"] == 8
+    assert summary["peak_lr"] == pytest.approx(0.2 * 64 / 256)
+    assert "halved" in summary["batch_note"] and "train.min_steps=8" in summary["batch_note"]
+    (tmp_path / "plain").mkdir()
+    plain = fit(run_config(tmp_path / "plain", batch_size=128, images_per_epoch=256, min_steps=None), prepared,
+                tmp_path / "plain")
+    assert plain["global_batch"] == 128 and plain["optimizer_steps"] == 4 and plain["batch_note"] == ""
+
+
 def test_training_learns_the_synthetic_task(tmp_path, prepared):
     summary = fit(run_config(tmp_path, epochs=4), prepared, tmp_path)
     assert summary["best_val_top1"] > 0.5  # chance is 0.1

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from .config import RunConfig
+from .schedule import batch_for_steps
 
 
 def read_budget(path: Path | None) -> dict[str, Any]:
@@ -31,3 +32,11 @@ def apply_budget(cfg: RunConfig, budget: dict[str, Any]) -> RunConfig:
     current = cfg.train.images_per_epoch
     return cfg.with_train(images_per_epoch=cap if current is None else min(current, cap))
 
+
+
+def fit_batch_to_steps(cfg: RunConfig, n_train: int, world_size: int) -> RunConfig:
+    """`cfg` with the batch `train.min_steps` asks for, given the images each epoch draws."""
+    t = cfg.train
+    images = n_train if t.images_per_epoch is None else min(n_train, t.images_per_epoch)
+    batch = batch_for_steps(t.batch_size, t.min_steps, images, t.epochs, world_size, t.accum_steps)
+    return cfg if batch == t.batch_size else cfg.with_train(batch_size=batch)

@@ -159,6 +159,10 @@ class TrainConfig:
     images_per_epoch: int | None = None
     """Training images drawn (a fresh random subset) per epoch; null = the whole training split.
     The time budget (`run.budget_minutes`) may lower it; the LR schedule follows the real steps."""
+    min_steps: int | None = None
+    """Fewest optimizer steps a run should take: when the images per epoch leave fewer (a tight
+    budget), the batch is halved until they do, down to 64, with the LR scaled along; null = keep
+    `batch_size` whatever the run's length."""
 
     def __post_init__(self) -> None:
         ints = {"epochs": 1, "batch_size": 1, "nproc": 1, "checkpoint_every": 1, "accum_steps": 1}
@@ -201,6 +205,8 @@ class TrainConfig:
             _fail("train.threads", self.threads, "null or an integer >= 1")
         if self.images_per_epoch is not None and self.images_per_epoch < 1:
             _fail("train.images_per_epoch", self.images_per_epoch, "null (all) or an integer >= 1")
+        if self.min_steps is not None and self.min_steps < 1:
+            _fail("train.min_steps", self.min_steps, "null (keep train.batch_size) or an integer >= 1")
 
 
 @dataclass(frozen=True)

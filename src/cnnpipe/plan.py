@@ -18,12 +18,13 @@ Everything here is pure: numbers in, numbers out. `budget.py` applies the choice
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
 
 from .config import RunConfig
+from .schedule import batch_for_steps
 
 LADDER = (1.0, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 3 / 16, 1 / 8, 3 / 32, 1 / 16, 1 / 32, 1 / 64)
 KEEP_BAND = (0.75, 1.10)
@@ -45,6 +46,23 @@ class Recipe:
     """Inference images/s, estimated from the forward share of the profiled step."""
     profile_s: float
     """What the profile stage already spent."""
+    batch_size: int = 0
+    """Per-process batch the profile measured (train.batch_size); 0: the global batch, one process."""
+    world_size: int = 1
+    accum_steps: int = 1
+    min_steps: int | None = None
+    smaller_batch_speed: dict[int, float] = field(default_factory=dict)
+    """Measured speed of each batch `min_steps` may halve to, relative to `batch_size` (profile)."""
+
+    def batch_for(self, images_per_epoch: int) -> int:
+        """The per-process batch training will use when each epoch draws `images_per_epoch` images."""
+        batch = self.batch_size or self.global_batch
+        return batch_for_steps(batch, self.min_steps, images_per_epoch, self.epochs, self.world_size,
+                               self.accum_steps)
+
+    def train_speed(self, images_per_epoch: int) -> float:
+        """Training images/s at the batch that run will use."""
+        return self.train_img_s * self.smaller_batch_speed.get(self.batch_for(images_per_epoch), 1.0)
 
 
 def recipe_from_profile(cfg: RunConfig, profile: dict[str, Any]) -> Recipe:
@@ -53,13 +71,17 @@ def recipe_from_profile(cfg: RunConfig, profile: dict[str, Any]) -> Recipe:
     forward = profile.get("fractions", {}).get("forward") or 0.25
     # Inference is the forward pass alone; no_grad makes it a little faster still, so this is cautious.
     eval_img_s = train_img_s / max(forward, 0.05)
-    return Recipe(cfg.variant, cfg.train.epochs, cfg.train.batch_size * cfg.train.nproc * cfg.train.nnodes
-                  * cfg.train.accum_steps, train_img_s, eval_img_s, float(profile.get("stage_time_s", 0.0)))
+    t = cfg.train
+    world = t.nproc * t.nnodes
+    smaller = {int(trial["change"]["batch_size"]): float(trial["speedup"])
+               for trial in profile.get("smaller_batches", []) if trial.get("speedup")}
+    return Recipe(cfg.variant, t.epochs, t.batch_size * world * t.accum_steps, train_img_s, eval_img_s,
+                  float(profile.get("stage_time_s", 0.0)), t.batch_size, world, t.accum_steps, t.min_steps, smaller)
 
 
 def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int) -> dict[str, float]:
     """Predicted wall time of train, evaluate and export for one recipe."""
-    train = r.epochs * (images_per_epoch / r.train_img_s + n_val / r.eval_img_s) + STARTUP_S
+    train = r.epochs * (images_per_epoch / r.train_speed(images_per_epoch) + n_val / r.eval_img_s) + STARTUP_S
     bench = 6 * 256 / r.eval_img_s  # evaluate's model-only throughput measurement
     evaluate = n_test / r.eval_img_s + bench + STARTUP_S
     export = 3 * FP32_EXPORT_SLOWDOWN * n_test / r.eval_img_s + EXPORT_S + STARTUP_S
@@ -128,6 +150,7 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
         "profile_s": {f"profile@{r.variant}": r.profile_s for r in recipes},
         "predicted_total_s": total,
         "predicted_total_unbudgeted_s": unbudgeted,
+        "batch": {r.variant: r.batch_for(images) * r.world_size * r.accum_steps for r in recipes},
         "fits": budget_s is None or total <= budget_s * KEEP_BAND[1],
         "reason": reason,
         "recipes": [asdict(r) for r in recipes],
@@ -147,9 +170,18 @@ def to_text(plan: dict[str, Any]) -> str:
               f"(fraction {_frac(plan['fraction'])}): {plan['reason']}."]
     if plan["fraction"] < 1.0:
         lines.append(f"Without the budget the run would take ~{plan['predicted_total_unbudgeted_s'] / 60:.0f} min.")
+    halved = [f"{r['variant']} {plan['batch'][r['variant']]} (train.batch_size {r['global_batch']})"
+              for r in plan["recipes"] if plan.get("batch", {}).get(r["variant"], r["global_batch"]) != r["global_batch"]]
+    if halved:
+        lines.append("Global batch lowered so that the run takes at least train.min_steps optimizer steps: "
+                     + "; ".join(halved) + ".")
     lines += ["", "Speeds measured by the profile stages: " + "; ".join(
         f"{r['variant']} {r['train_img_s']:.0f} img/s training, ~{r['eval_img_s']:.0f} img/s inference"
         for r in plan["recipes"]) + ".", ""]
+    slower = [f"{r['variant']} at batch {b}: {speed:.2f}x" for r in plan["recipes"]
+              for b, speed in sorted(r.get("smaller_batch_speed", {}).items(), reverse=True)]
+    if slower:
+        lines[-1:-1] = ["Smaller batches, measured against the profiled one: " + "; ".join(slower) + "."]
     return "\n".join(lines)
 
 

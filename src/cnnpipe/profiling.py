@@ -31,7 +31,7 @@ from .engine import StepContext, micro_step, no_region
 from .files import write_json, write_text
 from .kernels import busy_fraction, tensor_core_share
 from .monitor import peak_mem_mb
-from .schedule import scaled_lr
+from .schedule import MIN_BATCH, scaled_lr
 from .trainer import build_training, step_context
 from .tuning import auto_knobs, resolve_auto
 
@@ -339,6 +339,26 @@ def batch_trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Se
     return results
 
 
+def smaller_batch_trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup) -> list[Trial]:
+    """Speed of each batch `train.min_steps` may halve to, against the profiled batch.
+
+    Not candidates (a batch change is a recipe change, never tuned for speed alone): the plan
+    multiplies the recipe's speed by these ratios when a short run will train at a smaller batch.
+    """
+    if cfg.train.min_steps is None:
+        return []
+    p, results, batch = cfg.profile, [], cfg.train.batch_size // 2
+    while batch >= MIN_BATCH:
+        change = {"batch_size": batch}
+        candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
+        trial = paired_trial("smaller_batch", change, current, candidate, p.trial_rounds, p.trial_steps, 1.0)
+        trial.win = False
+        results.append(trial)
+        del candidate
+        batch //= 2
+    return results
+
+
 def compile_trial(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup) -> Trial:
     """torch.compile, judged over the whole run: the per-step gain must repay the compile time."""
     p, change = cfg.profile, {"compile": "default"}
@@ -458,7 +478,7 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
                   tensor_core_frac=traced["tensor_core_frac"])
     results: list[Trial] = []
     tuned = {k: getattr(t, k) for k in auto_knobs(requested)}
-    combined = None
+    combined, smaller = None, []
     if with_trials:
         recommended = {r.knob for r in diagnose(facts)[1] if r.knob}
         results = run_trials(cfg, requested, info, prepared_dir, base, recommended)
@@ -467,6 +487,7 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
                                     best_batch=best.change["batch_size"] if best else None)
         tuned, combined = confirm_combined(requested, cfg, info, prepared_dir, base, results,
                                            tuned_settings(requested, cfg, results))
+        smaller = smaller_batch_trials(cfg, info, prepared_dir, base)
     label, recs = diagnose(facts)
     if with_trials and combined is None:
         combined = recommended_together(cfg, info, prepared_dir, base, results,
@@ -494,6 +515,7 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
         "trial_rounds": p.trial_rounds,
         "tuned": tuned,
         "tuned_speedup": tuned_speedup(cfg, tuned, results, combined),
+        "smaller_batches": [r.to_dict() for r in smaller],
         "trace_dir": str(trace_dir),
     }
 
@@ -523,6 +545,9 @@ def summary(result: dict[str, Any]) -> str:
         low, high = trial["speedup_range"]
         lines.append(f"  trial {trial['change']}: {trial['speedup']:.2f}x ({low:.2f}-{high:.2f})"
                      f"{' WIN' if trial['win'] else ''} {trial['note']}".rstrip())
+    for trial in result.get("smaller_batches", []):
+        lines.append(f"  batch {trial['change']['batch_size']} (for train.min_steps): {trial['speedup']:.2f}x "
+                     f"the speed of batch {result['batch_size']}")
     if result["tuned"]:
         lines.append(f"  tuned (for the `auto` params): {result['tuned']}")
     return "\n".join(lines)

@@ -20,9 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
+from .budget import fit_batch_to_steps
 from .config import RunConfig
 from .data.loaders import AugmentConfig, FastTransform, TrainLoader, build_eval_loader, build_train_loader
-from .data.store import PreparedSplit, open_split
+from .data.store import PreparedSplit, open_split, read_index
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, unwrap
 from .engine import StepContext, evaluate_top1, train_one_epoch
 from .files import write_json
@@ -161,6 +162,8 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     """
     t_start = time.perf_counter()
     cfg = resolve_auto(cfg, info.device, tuned)
+    requested_batch = cfg.train.batch_size
+    cfg = fit_batch_to_steps(cfg, read_index(prepared_dir)["splits"]["train"]["count"], info.world_size)
     seed_everything(cfg.seed, info.rank)
     threads = set_threads(cfg, info)
     t = cfg.train
@@ -229,7 +232,8 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     if info.is_primary:
         print(f"train[{cfg.variant}]: {cfg.model.name} init={init.source} device={device} x{info.world_size} "
               f"amp={amp} channels_last={t.channels_last} compile={t.compile} loader={t.loader} "
-              f"batch={global_batch} peak_lr={peak_lr:.4g} images/epoch={train_loader.sampler.n} "
+              f"batch={global_batch}{_batch_note(cfg, requested_batch)} peak_lr={peak_lr:.4g} "
+              f"images/epoch={train_loader.sampler.n} "
               f"steps/epoch={steps_per_epoch} threads={threads}",
               flush=True)
     for epoch in range(start_epoch, t.epochs):
@@ -275,9 +279,17 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
         return None
     summary = _summary(cfg, history, init, info, amp, global_batch, peak_lr, threads, resumed_from, gpu_util,
                        time.perf_counter() - t_start)
+    summary.update(optimizer_steps=total_steps, batch_note=_batch_note(cfg, requested_batch).strip(" ()"))
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())
     return summary
+
+
+def _batch_note(cfg: RunConfig, requested_batch: int) -> str:
+    """Why the batch differs from train.batch_size, for the log line and train.json ('' when it doesn't)."""
+    if cfg.train.batch_size == requested_batch:
+        return ""
+    return f" (train.batch_size {requested_batch} halved to reach train.min_steps={cfg.train.min_steps})"
 
 
 def _model_meta(cfg: RunConfig, split, mean, std, amp: str) -> dict[str, Any]:
