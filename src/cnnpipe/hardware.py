@@ -20,21 +20,21 @@ FAST_BF16 = ("avx512_bf16", "amx_bf16")
 
 @functools.lru_cache(maxsize=1)
 def _cpuinfo() -> tuple[str, frozenset[str]]:
-    """(model name, flags) of the first processor in /proc/cpuinfo; empty off Linux."""
-    model, flags = platform.processor() or platform.machine(), frozenset()
+    """(model name, flags) of the first processor in /proc/cpuinfo; Python's guess off Linux."""
+    model, flags = "", frozenset()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                if key == "model name" and not model:
                     model = value.strip()
-                elif key in ("flags", "Features"):
+                elif key in ("flags", "Features"):  # x86, ARM
                     flags = frozenset(value.split())
                     break
     except OSError:
         pass
-    return model, flags
+    return model or platform.processor() or platform.machine(), flags
 
 
 def usable_cores() -> int:
