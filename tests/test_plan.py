@@ -176,9 +176,9 @@ def test_recipe_reads_the_smaller_batch_speeds_from_the_profile(tmp_path):
     params["train"]["min_steps"] = 100
     cfg = resolve(load_params(write_params(tmp_path / "p.yaml", params)), "optimized")
     profile = {"throughput_img_s": 400.0, "fractions": {"forward": 0.2}, "stage_time_s": 30.0,
-               "smaller_batches": [{"change": {"batch_size": 64}, "speedup": 0.8}]}
+               "smaller_batches": [{"change": {"batch_size": 64}, "speedup": 0.8, "speed_vs_tuned": 0.7}]}
     recipe = recipe_from_profile(cfg, profile)
-    assert recipe.min_steps == 100 and recipe.smaller_batch_speed == {64: 0.8}
+    assert recipe.min_steps == 100 and recipe.smaller_batch_speed == {64: 0.7}  # vs the tuned recipe
     params["train"]["min_steps"] = 0
     with pytest.raises(ParamsError, match="train.min_steps"):
         load_params(write_params(tmp_path / "p.yaml", params))

@@ -255,26 +255,52 @@ def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(mo
     assert not only.win and only.note == "out of memory" and only.change == {"batch_size": 32}
 
 
-def test_smaller_batches_are_measured_for_min_steps_and_never_tuned(monkeypatch, tmp_path):
+def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(monkeypatch, tmp_path):
     import cnnpipe.profiling as prof
 
     measured = []
 
     def fake_trial(knob, change, current, candidate, rounds, steps, min_gain):
-        measured.append(change["batch_size"])
-        return Trial(knob, change, 1.2, (1.1, 1.3), 100.0, 120.0, win=True)  # faster: still not a win
+        measured.append((knob, change))
+        if knob == "channels_last":  # NCHW wins at batch 64 only
+            s = 1.10 if change["batch_size"] == 64 else 0.95
+            return Trial(knob, change, s, (s, s), 100.0, 100.0 * s, win=s >= 1 + min_gain)
+        return Trial(knob, change, 0.8, (0.75, 0.85), 100.0, 80.0, win=True)  # never a win, whatever it says
 
     monkeypatch.setattr(prof, "build_setup", lambda *a: object())
     monkeypatch.setattr(prof, "paired_trial", fake_trial)
     none = config(tmp_path, batch_size=256, min_steps=None)
-    assert prof.smaller_batch_trials(none, DistInfo(), tmp_path, None) == []
-    trials = prof.smaller_batch_trials(config(tmp_path, batch_size=256, min_steps=500), DistInfo(), tmp_path, None)
-    assert measured == [128, 64] and [t.knob for t in trials] == ["smaller_batch"] * 2  # down to MIN_BATCH
-    assert not any(t.win for t in trials)
+    assert prof.smaller_batch_trials(none, none, DistInfo(), tmp_path, None, {}, 1.0) == []
+    requested = config(tmp_path, batch_size=256, min_steps=500, channels_last="auto")
+    cfg = resolve_auto(requested, torch.device("cpu"))
+    entries = prof.smaller_batch_trials(requested, cfg, DistInfo(), tmp_path, None, {"channels_last": True}, 1.25)
+    assert [e["change"]["batch_size"] for e in entries] == [128, 64]  # down to MIN_BATCH
+    assert [k for k, _ in measured] == ["smaller_batch", "channels_last"] * 2
+    assert not any(e["win"] for e in entries)
+    assert entries[0]["at_batch"] == {} and entries[1]["at_batch"] == {"channels_last": False}
+    # Speed against the tuned recipe (1.25x the profiled one), with the re-tuned layout's gain at 64.
+    assert entries[0]["speed_vs_tuned"] == pytest.approx(0.8 / 1.25)
+    assert entries[1]["speed_vs_tuned"] == pytest.approx(0.8 * 1.10 / 1.25)
+    # Explicit layouts are never re-tuned.
+    measured.clear()
+    fixed = config(tmp_path, batch_size=256, min_steps=500, channels_last=True)
+    prof.smaller_batch_trials(fixed, fixed, DistInfo(), tmp_path, None, {}, 1.0)
+    assert [k for k, _ in measured] == ["smaller_batch", "smaller_batch"]
     result = {"variant": "optimized", "step_time_median_s": 0.1, "throughput_img_s": 100.0, "fractions": {},
               "bottleneck": "compute", "recommendations": [], "trials": [], "combined_trial": None, "tuned": {},
-              "batch_size": 256, "smaller_batches": [t.to_dict() for t in trials]}
-    assert "batch 64 (for train.min_steps): 1.20x the speed of batch 256" in prof.summary(result)
+              "batch_size": 256, "smaller_batches": entries}
+    assert ("batch 64 (for train.min_steps): 0.80x the speed of batch 256; channels_last=False there (1.10x)"
+            in prof.summary(result))
+
+
+def test_training_takes_the_values_tuned_at_its_batch(tmp_path):
+    requested = config(tmp_path, batch_size=64, channels_last="auto")
+    tuned = {"channels_last": True, "at_batch": {64: {"channels_last": False}, 128: {"amp": "off"}}}
+    assert resolve_auto(requested, torch.device("cpu"), tuned).train.channels_last is False
+    at_256 = resolve_auto(requested.with_train(batch_size=256), torch.device("cpu"), tuned)
+    assert at_256.train.channels_last is True
+    explicit = config(tmp_path, batch_size=64, channels_last=True)
+    assert resolve_auto(explicit, torch.device("cpu"), tuned).train.channels_last is True  # params win
 
 
 @pytest.mark.parametrize("candidate_times, rounds_run, win", [

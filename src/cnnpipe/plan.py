@@ -73,8 +73,8 @@ def recipe_from_profile(cfg: RunConfig, profile: dict[str, Any]) -> Recipe:
     eval_img_s = train_img_s / max(forward, 0.05)
     t = cfg.train
     world = t.nproc * t.nnodes
-    smaller = {int(trial["change"]["batch_size"]): float(trial["speedup"])
-               for trial in profile.get("smaller_batches", []) if trial.get("speedup")}
+    smaller = {int(e["change"]["batch_size"]): float(e["speed_vs_tuned"])
+               for e in profile.get("smaller_batches", []) if e.get("speed_vs_tuned")}
     return Recipe(cfg.variant, t.epochs, t.batch_size * world * t.accum_steps, train_img_s, eval_img_s,
                   float(profile.get("stage_time_s", 0.0)), t.batch_size, world, t.accum_steps, t.min_steps, smaller)
 

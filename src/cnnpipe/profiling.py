@@ -339,24 +339,44 @@ def batch_trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Se
     return results
 
 
-def smaller_batch_trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup) -> list[Trial]:
-    """Speed of each batch `train.min_steps` may halve to, against the profiled batch.
+BATCH_SENSITIVE = ("channels_last",)
+"""Knobs re-measured at each smaller batch: oneDNN's NHWC convolutions win at batch 256 and lose
+at 64 in fp32 on a one-core CPU (0.94x and 1.09x for NCHW, measured), so a layout tuned at the
+profiled batch can be the wrong one for a short run's batch."""
 
-    Not candidates (a batch change is a recipe change, never tuned for speed alone): the plan
-    multiplies the recipe's speed by these ratios when a short run will train at a smaller batch.
+
+def smaller_batch_trials(requested: RunConfig, cfg: RunConfig, info: DistInfo, prepared_dir: Path,
+                         current: Setup, tuned: dict[str, Any], tuned_gain: float) -> list[dict[str, Any]]:
+    """Speed of each batch `train.min_steps` may halve to, and the batch-sensitive `auto` knobs
+    re-tuned there.
+
+    The batch itself is never tuned for speed (it changes the optimisation); the plan multiplies
+    the recipe's speed by `speed_vs_tuned`, and training takes `at_batch` values at that batch.
     """
     if cfg.train.min_steps is None:
         return []
-    p, results, batch = cfg.profile, [], cfg.train.batch_size // 2
+    p, out, batch = cfg.profile, [], cfg.train.batch_size // 2
+    recipe = cfg.with_train(**tuned)
     while batch >= MIN_BATCH:
-        change = {"batch_size": batch}
-        candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
-        trial = paired_trial("smaller_batch", change, current, candidate, p.trial_rounds, p.trial_steps, 1.0)
+        at_batch = build_setup(recipe.with_train(batch_size=batch), info, prepared_dir)
+        trial = paired_trial("smaller_batch", {"batch_size": batch}, current, at_batch, p.trial_rounds,
+                             p.trial_steps, 1.0)
         trial.win = False
-        results.append(trial)
-        del candidate
+        entry, gain = trial.to_dict(), 1.0
+        entry["at_batch"], entry["knob_trials"] = {}, []
+        for knob in (k for k in BATCH_SENSITIVE if k in auto_knobs(requested)):
+            flip = {knob: not getattr(recipe.train, knob), "batch_size": batch}
+            other = build_setup(recipe.with_train(**flip), info, prepared_dir)
+            knob_trial = paired_trial(knob, flip, at_batch, other, p.trial_rounds, p.trial_steps, p.min_gain)
+            entry["knob_trials"].append(knob_trial.to_dict())
+            if knob_trial.win:
+                entry["at_batch"][knob], gain = flip[knob], gain * knob_trial.speedup
+            del other
+        entry["speed_vs_tuned"] = trial.speedup * gain / tuned_gain
+        out.append(entry)
+        del at_batch
         batch //= 2
-    return results
+    return out
 
 
 def compile_trial(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup) -> Trial:
@@ -487,7 +507,9 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
                                     best_batch=best.change["batch_size"] if best else None)
         tuned, combined = confirm_combined(requested, cfg, info, prepared_dir, base, results,
                                            tuned_settings(requested, cfg, results))
-        smaller = smaller_batch_trials(cfg, info, prepared_dir, base)
+        smaller = smaller_batch_trials(requested, cfg, info, prepared_dir, base, tuned,
+                                       tuned_speedup(cfg, tuned, results, combined))
+    at_batch = {e["change"]["batch_size"]: e["at_batch"] for e in smaller if e["at_batch"]}
     label, recs = diagnose(facts)
     if with_trials and combined is None:
         combined = recommended_together(cfg, info, prepared_dir, base, results,
@@ -513,9 +535,10 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
         "combined_trial": combined.to_dict() if combined else None,
         "min_gain": p.min_gain,
         "trial_rounds": p.trial_rounds,
-        "tuned": tuned,
+        # `at_batch`: values that differ at a batch `train.min_steps` may pick (training applies them there).
+        "tuned": {**tuned, "at_batch": at_batch} if at_batch else tuned,
         "tuned_speedup": tuned_speedup(cfg, tuned, results, combined),
-        "smaller_batches": [r.to_dict() for r in smaller],
+        "smaller_batches": smaller,
         "trace_dir": str(trace_dir),
     }
 
@@ -545,9 +568,11 @@ def summary(result: dict[str, Any]) -> str:
         low, high = trial["speedup_range"]
         lines.append(f"  trial {trial['change']}: {trial['speedup']:.2f}x ({low:.2f}-{high:.2f})"
                      f"{' WIN' if trial['win'] else ''} {trial['note']}".rstrip())
-    for trial in result.get("smaller_batches", []):
-        lines.append(f"  batch {trial['change']['batch_size']} (for train.min_steps): {trial['speedup']:.2f}x "
-                     f"the speed of batch {result['batch_size']}")
+    for entry in result.get("smaller_batches", []):
+        retuned = "".join(f"; {k}={v} there ({t['speedup']:.2f}x)" for k, v in entry.get("at_batch", {}).items()
+                          for t in entry["knob_trials"] if k in t["change"])
+        lines.append(f"  batch {entry['change']['batch_size']} (for train.min_steps): {entry['speedup']:.2f}x "
+                     f"the speed of batch {result['batch_size']}{retuned}")
     if result["tuned"]:
         lines.append(f"  tuned (for the `auto` params): {result['tuned']}")
     return "\n".join(lines)

@@ -161,9 +161,9 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     what it returns joins that epoch's record.
     """
     t_start = time.perf_counter()
-    cfg = resolve_auto(cfg, info.device, tuned)
     requested_batch = cfg.train.batch_size
     cfg = fit_batch_to_steps(cfg, read_index(prepared_dir)["splits"]["train"]["count"], info.world_size)
+    cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
     seed_everything(cfg.seed, info.rank)
     threads = set_threads(cfg, info)
     t = cfg.train

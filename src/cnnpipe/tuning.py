@@ -2,7 +2,8 @@
 
 The profile stage writes `metrics/profile/<variant>_tuned.yaml` holding a value for each knob that
 the variant's params leave at `auto` (and nothing else, so a variant with explicit settings gets an
-empty, stable file). Training reads it; without it the defaults below apply.
+empty, stable file), plus `at_batch` when a smaller batch that `train.min_steps` may pick measured a
+different winner. Training reads it; without it the defaults below apply.
 """
 
 from __future__ import annotations
@@ -42,9 +43,15 @@ def read_tuned(path: Path | None) -> dict[str, Any]:
 
 
 def resolve_auto(cfg: RunConfig, device: torch.device, tuned: dict[str, Any] | None = None) -> RunConfig:
-    """`cfg` with every `auto` knob replaced: the tuned value when given, else the default."""
+    """`cfg` with every `auto` knob replaced: the tuned value when given, else the default.
+
+    `tuned["at_batch"][B]` holds values the profile measured to win at per-process batch B (one
+    `train.min_steps` may halve to); they apply when `cfg` trains at B.
+    """
     tuned = tuned or {}
     changes = {k: tuned.get(k, default_for(k, device)) for k in auto_knobs(cfg)}
+    at_batch = (tuned.get("at_batch") or {}).get(cfg.train.batch_size, {})
+    changes.update({k: v for k, v in at_batch.items() if k in changes})
     if "amp" in changes:
         changes["amp"] = resolve_amp(changes["amp"], device)
     return cfg.with_train(**changes)
