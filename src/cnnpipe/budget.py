@@ -1,4 +1,5 @@
-"""The plan's choice, applied to training: the only part of the plan that `train` depends on.
+"""The plan's choice, applied to training (the only part of the plan that `train` depends on), and
+the batch a run of that length trains at (`train.min_steps`).
 
 Kept apart from `plan.py` so that refining a prediction never invalidates a trained model.
 """
@@ -31,7 +32,6 @@ def apply_budget(cfg: RunConfig, budget: dict[str, Any]) -> RunConfig:
         return cfg
     current = cfg.train.images_per_epoch
     return cfg.with_train(images_per_epoch=cap if current is None else min(current, cap))
-
 
 
 def fit_batch_to_steps(cfg: RunConfig, n_train: int, world_size: int) -> RunConfig:

@@ -171,7 +171,7 @@ def to_text(plan: dict[str, Any]) -> str:
     if plan["fraction"] < 1.0:
         lines.append(f"Without the budget the run would take ~{plan['predicted_total_unbudgeted_s'] / 60:.0f} min.")
     halved = [f"{r['variant']} {plan['batch'][r['variant']]} (train.batch_size {r['global_batch']})"
-              for r in plan["recipes"] if plan.get("batch", {}).get(r["variant"], r["global_batch"]) != r["global_batch"]]
+              for r in plan["recipes"] if plan["batch"][r["variant"]] != r["global_batch"]]
     if halved:
         lines.append("Global batch lowered so that the run takes at least train.min_steps optimizer steps: "
                      + "; ".join(halved) + ".")

@@ -569,8 +569,8 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"  trial {trial['change']}: {trial['speedup']:.2f}x ({low:.2f}-{high:.2f})"
                      f"{' WIN' if trial['win'] else ''} {trial['note']}".rstrip())
     for entry in result.get("smaller_batches", []):
-        retuned = "".join(f"; {k}={v} there ({t['speedup']:.2f}x)" for k, v in entry.get("at_batch", {}).items()
-                          for t in entry["knob_trials"] if k in t["change"])
+        retuned = "".join(f"; {t['knob']}={t['change'][t['knob']]} there ({t['speedup']:.2f}x)"
+                          for t in entry["knob_trials"] if t["win"])
         lines.append(f"  batch {entry['change']['batch_size']} (for train.min_steps): {entry['speedup']:.2f}x "
                      f"the speed of batch {result['batch_size']}{retuned}")
     if result["tuned"]:

@@ -164,6 +164,7 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     requested_batch = cfg.train.batch_size
     cfg = fit_batch_to_steps(cfg, read_index(prepared_dir)["splits"]["train"]["count"], info.world_size)
     cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
+    batch_note = _batch_note(cfg, requested_batch)
     seed_everything(cfg.seed, info.rank)
     threads = set_threads(cfg, info)
     t = cfg.train
@@ -232,7 +233,7 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     if info.is_primary:
         print(f"train[{cfg.variant}]: {cfg.model.name} init={init.source} device={device} x{info.world_size} "
               f"amp={amp} channels_last={t.channels_last} compile={t.compile} loader={t.loader} "
-              f"batch={global_batch}{_batch_note(cfg, requested_batch)} peak_lr={peak_lr:.4g} "
+              f"batch={global_batch}{f' ({batch_note})' if batch_note else ''} peak_lr={peak_lr:.4g} "
               f"images/epoch={train_loader.sampler.n} "
               f"steps/epoch={steps_per_epoch} threads={threads}",
               flush=True)
@@ -279,7 +280,7 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
         return None
     summary = _summary(cfg, history, init, info, amp, global_batch, peak_lr, threads, resumed_from, gpu_util,
                        time.perf_counter() - t_start)
-    summary.update(optimizer_steps=total_steps, batch_note=_batch_note(cfg, requested_batch).strip(" ()"))
+    summary.update(optimizer_steps=total_steps, batch_note=batch_note)
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())
     return summary
@@ -289,7 +290,7 @@ def _batch_note(cfg: RunConfig, requested_batch: int) -> str:
     """Why the batch differs from train.batch_size, for the log line and train.json ('' when it doesn't)."""
     if cfg.train.batch_size == requested_batch:
         return ""
-    return f" (train.batch_size {requested_batch} halved to reach train.min_steps={cfg.train.min_steps})"
+    return f"train.batch_size {requested_batch} halved to reach train.min_steps={cfg.train.min_steps}"
 
 
 def _model_meta(cfg: RunConfig, split, mean, std, amp: str) -> dict[str, Any]:
