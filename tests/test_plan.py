@@ -55,6 +55,18 @@ def test_the_prediction_adds_up_stage_by_stage():
     assert stages["train@baseline"] > train_only  # validation and start-up are on top
 
 
+def test_the_zen3_profile_fits_the_default_budget():
+    """The speeds and profile times an AMD EPYC Zen 3 (2 cores, fp32: no bf16 instructions) measured
+    on 2026-12-03 (metrics/plan/plan.json); its fresh-clone `bash scripts/repro.sh` took 18 min 46 s."""
+    zen3 = [Recipe("baseline", 4, 64, 66.6, 270.5, 161.5, batch_size=64),
+            Recipe("optimized", 4, 256, 125.3, 506.7, 346.1, batch_size=256, min_steps=300,
+                   smaller_batch_speed={128: 0.877, 64: 0.817})]
+    plan = make_plan(zen3, N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
+    assert plan["fits"] and plan["fraction"] == 1 / 32 and plan["images_per_epoch"] == 1536
+    assert plan["batch"] == {"baseline": 64, "optimized": 64}  # 96 steps: the floor, not 300
+    assert plan["predicted_total_unbudgeted_s"] > 90 * 60  # issue 9: 102 min without a budget
+
+
 def test_hysteresis_keeps_the_previous_choice_near_a_boundary():
     fresh = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
     smaller = LADDER[LADDER.index(fresh["fraction"]) + 1]
