@@ -16,7 +16,7 @@ def main() -> int:
     try:
         base, opt = load_variant(metrics, "baseline"), load_variant(metrics, "optimized")
         result = compare(base, opt)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
     plan_path = metrics / "plan" / "plan.json"

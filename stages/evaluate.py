@@ -25,8 +25,11 @@ def main() -> int:
     except (ParamsError, UnsafeCheckpoint, FileNotFoundError) as exc:
         print(f"evaluate[{args.variant}]: {exc}", file=sys.stderr)
         return 2
-    print(f"evaluate[{args.variant}]: top1={result['top1']:.4f} top5={result['top5']:.4f} "
-          f"ece={result['ece']:.4f} on {result['images']} test images")
+    print(f"evaluate[{args.variant}]: top1={result['top1']:.4f} "
+          f"(95% CI {result['top1_ci95_low']:.4f}-{result['top1_ci95_high']:.4f}) "
+          f"top5={result['top5']:.4f} ece={result['ece']:.4f} on {result['images']} test images")
+    for warning in result["warnings"]:
+        print(f"evaluate[{args.variant}]: WARNING: {warning}", file=sys.stderr)
     return 0
 
 

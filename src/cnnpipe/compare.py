@@ -1,10 +1,14 @@
-"""Baseline vs optimized: the side-by-side table users otherwise write by hand."""
+"""Baseline vs optimized: the side-by-side table users otherwise write by hand, with how sure each
+difference is (accuracy: McNemar's exact test on the same test images; speed: per-epoch spread)."""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
+
+from .stats import ALPHA, mcnemar_exact, median_iqr, paired_counts, ratio_range
 
 # (key in the output, label, source file, key in source, format)
 ROWS = (
@@ -22,35 +26,81 @@ SETTINGS = ("amp", "channels_last", "loader", "global_batch", "optimizer_steps",
             "world_size")
 
 
-def load_variant(metrics_dir: Path, variant: str) -> dict[str, dict[str, Any]]:
-    """train.json and eval.json of one variant."""
-    out = {}
+def load_predictions(path: Path) -> dict[str, list[str]]:
+    """predictions.csv as columns (`actual`, `predicted`), one row per test image in split order."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run `dvc repro evaluate@{path.parent.name}` first")
+    with path.open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    return {"actual": [r["actual"] for r in rows], "predicted": [r["predicted"] for r in rows]}
+
+
+def load_variant(metrics_dir: Path, variant: str) -> dict[str, Any]:
+    """train.json, eval.json and predictions.csv of one variant."""
+    out: dict[str, Any] = {}
     for kind in ("train", "eval"):
         path = metrics_dir / variant / f"{kind}.json"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: run `dvc repro` for {variant} first")
         out[kind] = json.loads(path.read_text())
+    out["predictions"] = load_predictions(metrics_dir / variant / "predictions.csv")
     return out
 
 
-def compare(base: dict[str, dict[str, Any]], opt: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Side-by-side values, the headline ratios and the settings that differ."""
+def paired_significance(base: dict[str, list[str]], opt: dict[str, list[str]]) -> dict[str, Any]:
+    """McNemar's exact test of the top-1 difference on the same test images."""
+    if base["actual"] != opt["actual"]:
+        raise ValueError("the two predictions.csv files list different test labels: evaluate both variants "
+                         "on the same prepared data (`dvc repro evaluate@baseline evaluate@optimized`)")
+    counts = paired_counts(base["actual"], base["predicted"], opt["predicted"])
+    p = mcnemar_exact(counts["only_a"], counts["only_b"])
+    gain = counts["only_b"] - counts["only_a"]
+    verdict = "no significant difference" if p >= ALPHA or gain == 0 else (
+        "optimized is better" if gain > 0 else "baseline is better")
+    return {"test_images": len(base["actual"]), "both_right": counts["both_right"],
+            "only_baseline_right": counts["only_a"], "only_optimized_right": counts["only_b"],
+            "both_wrong": counts["both_wrong"], "p_value": p, "alpha": ALPHA, "verdict": verdict}
+
+
+def speed_spread(base_train: dict[str, Any], opt_train: dict[str, Any]) -> dict[str, Any]:
+    """Per-epoch training throughput of both recipes: quartiles, and the ratio with a range."""
+    epochs = {name: [h["throughput_img_s"] for h in t.get("history", []) if h.get("throughput_img_s")]
+              for name, t in (("baseline", base_train), ("optimized", opt_train))}
+    if not all(epochs.values()):
+        return {}
+    out: dict[str, Any] = {}
+    for name, values in epochs.items():
+        q1, median, q3 = median_iqr(values)
+        out[name] = {"q1": q1, "median": median, "q3": q3, "epochs": len(values)}
+    out.update(ratio_range(epochs["optimized"], epochs["baseline"]))
+    return out
+
+
+def compare(base: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
+    """Side-by-side values, the headline ratios with their uncertainty, and the settings that differ."""
     rows = {}
     for key, _, source, src_key, _ in ROWS:
         b, o = base[source].get(src_key), opt[source].get(src_key)
         rows[key] = {"baseline": b, "optimized": o,
                      "ratio": (o / b) if isinstance(b, (int, float)) and b and o is not None else None}
+    for k in (1, 5):
+        for name, result in (("baseline", base), ("optimized", opt)):
+            ci = (result["eval"].get(f"top{k}_ci95_low"), result["eval"].get(f"top{k}_ci95_high"))
+            rows[f"top{k}"][f"{name}_ci95"] = list(ci) if None not in ci else None
+    warnings = sorted({w for r in (base, opt) for w in r["eval"].get("warnings", [])})
     return {
         "speedup_throughput": rows["throughput_img_s"]["ratio"],
         "speedup_epoch_time": (base["train"]["epoch_time_s"] / opt["train"]["epoch_time_s"]),
         "top1_delta": opt["eval"]["top1"] - base["eval"]["top1"],
+        "significance": paired_significance(base["predictions"], opt["predictions"]),
+        "speed_spread": speed_spread(base["train"], opt["train"]),
+        "warnings": warnings,
         "rows": rows,
         "settings": {k: {"baseline": base["train"].get(k), "optimized": opt["train"].get(k)} for k in SETTINGS},
     }
 
 
-def plan_vs_actual(plan: dict[str, Any], base: dict[str, dict[str, Any]],
-                   opt: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def plan_vs_actual(plan: dict[str, Any], base: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
     """The plan's predicted training time next to what train.json measured (wall time of the stage)."""
     rows = {}
     for variant, result in (("baseline", base), ("optimized", opt)):
@@ -66,17 +116,60 @@ def _fmt(fmt: str, value: Any) -> str:
     return "n/a" if value is None else fmt.format(value)
 
 
+def _quartiles(q: dict[str, float]) -> str:
+    return f"{q['median']:.0f} [{q['q1']:.0f}-{q['q3']:.0f}]"
+
+
+def _pvalue(p: float) -> str:
+    return "p < 0.0001" if p < 1e-4 else f"p = {p:.2g}"
+
+
+def accuracy_sentence(result: dict[str, Any]) -> str:
+    """The headline on top-1: "better" only when McNemar's test backs it."""
+    sig, delta = result["significance"], result["top1_delta"] * 100
+    detail = (f"{_pvalue(sig['p_value'])}, McNemar's exact test on {sig['test_images']} test images: "
+              f"{sig['only_optimized_right']} only the optimized model got right, "
+              f"{sig['only_baseline_right']} only the baseline")
+    if sig["verdict"] == "no significant difference":
+        return f"Top-1: **no significant difference** ({delta:+.2f} points; {detail})."
+    return f"Top-1: **{sig['verdict']}**, {delta:+.2f} points ({detail})."
+
+
+def speed_sentence(result: dict[str, Any]) -> str:
+    """The headline on training speed, with the range the per-epoch spread allows."""
+    text = f"Training throughput: **{result['speedup_throughput']:.2f}x**"
+    spread = result.get("speed_spread")
+    if spread:
+        text += (f" (per-epoch medians {spread['optimized']['median']:.0f} vs {spread['baseline']['median']:.0f} "
+                 f"img/s, ratio {spread['ratio']:.2f}x, range {spread['low']:.2f}-{spread['high']:.2f}x from the "
+                 f"interquartile ranges)")
+        if spread["overlap"]:
+            text += "; the two recipes' per-epoch ranges overlap, so the difference is within run-to-run spread"
+    return text + f"; epochs {result['speedup_epoch_time']:.2f}x shorter."
+
+
+def _cell(fmt: str, row: dict[str, Any], name: str) -> str:
+    value, ci = _fmt(fmt, row[name]), row.get(f"{name}_ci95")
+    return f"{value} ({fmt.format(ci[0])}-{fmt.format(ci[1])})" if ci and row[name] is not None else value
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     """The same numbers as compare.json, as a Markdown table."""
-    lines = ["# Baseline vs optimized", "",
-             f"**{result['speedup_throughput']:.2f}x** training throughput, "
-             f"**{result['speedup_epoch_time']:.2f}x** shorter epochs, "
-             f"top-1 {result['top1_delta'] * 100:+.2f} points.", "",
-             "| Metric | Baseline | Optimized | Optimized / baseline |", "| --- | ---: | ---: | ---: |"]
+    lines = ["# Baseline vs optimized", "", accuracy_sentence(result), "", speed_sentence(result), ""]
+    lines += [f"> **Warning:** {w}" for w in result.get("warnings", [])]
+    if result.get("warnings"):
+        lines.append("")
+    lines += ["| Metric | Baseline | Optimized | Optimized / baseline |", "| --- | ---: | ---: | ---: |"]
     for key, label, _, _, fmt in ROWS:
         row = result["rows"][key]
         ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-        lines.append(f"| {label} | {_fmt(fmt, row['baseline'])} | {_fmt(fmt, row['optimized'])} | {ratio} |")
+        lines.append(f"| {label} | {_cell(fmt, row, 'baseline')} | {_cell(fmt, row, 'optimized')} | {ratio} |")
+    spread = result.get("speed_spread")
+    if spread:
+        lines.append(f"| Train throughput per epoch (img/s, median [IQR]) | {_quartiles(spread['baseline'])} | "
+                     f"{_quartiles(spread['optimized'])} | {spread['ratio']:.2f}x "
+                     f"({spread['low']:.2f}-{spread['high']:.2f}) |")
+    lines += ["", "Top-1/top-5 in brackets: 95% Wilson confidence intervals over the test images."]
     lines += ["", "| Setting | Baseline | Optimized |", "| --- | --- | --- |"]
     for key, pair in result["settings"].items():
         lines.append(f"| {key} | {pair['baseline']} | {pair['optimized']} |")
@@ -91,5 +184,5 @@ def to_markdown(result: dict[str, Any]) -> str:
                          f"| {ratio} |")
     lines += ["", "Most confident mistakes on the test split: [baseline](baseline/mistakes.png) · "
               "[optimized](optimized/mistakes.png) (written by `evaluate`).",
-              "", "Generated by `dvc repro compare` from metrics/<variant>/train.json and eval.json.", ""]
+              "", "Generated by `dvc repro compare` from metrics/<variant>/train.json, eval.json and predictions.csv.", ""]
     return "\n".join(lines)

@@ -13,13 +13,14 @@ import torch
 
 from . import checkpoint as ckpt
 from .data.loaders import build_eval_loader, eval_transform
-from .data.store import open_split
+from .data.store import open_split, read_index
 from .engine import predict
 from .files import write_json
 from .gallery import most_confident_mistakes, save_gallery
-from .metrics import classification_summary
+from .metrics import classification_summary, topk_correct
 from .monitor import peak_mem_mb
 from .precision import autocast
+from .stats import SMALL_TEST, wilson_interval
 
 
 def ema_is_better(best: dict[str, Any], last: Path) -> bool:
@@ -86,6 +87,19 @@ def inference_throughput(model: torch.nn.Module, meta: dict, device: torch.devic
     return batch / statistics.median(times)
 
 
+def split_warnings(images: int, carved: list[str]) -> list[str]:
+    """Why a top-1 on this test split may not separate two models: too few images, or carved from train."""
+    warnings = []
+    if images < SMALL_TEST:
+        low, high = wilson_interval(images // 2, images)
+        warnings.append(f"small test split: {images} images (under {SMALL_TEST}); a top-1 near 50% is only known "
+                        f"to within {low:.0%}-{high:.0%}, so differences of several points are within chance")
+    if "test" in carved:
+        warnings.append("the test split was carved out of the training images (the source has no test/ folder): "
+                        "it shares their collection process, so top-1 may be optimistic for new images")
+    return warnings
+
+
 def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.device,
              max_images: int | None = None, gallery_size: int = 16) -> dict[str, Any]:
     """Write eval.json, classes.json, predictions.csv, calibration.csv and mistakes.png to `out_dir`."""
@@ -96,13 +110,19 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
     logits, labels = predict(model, loader, make_transform(meta), device, meta["amp"])
     wall = time.perf_counter() - t0
     summary = classification_summary(logits, labels, meta["classes"])
+    n = len(labels)
+    # 95% Wilson intervals: where the model's accuracy on new images of this kind may lie.
+    top1_ci, top5_ci = (wilson_interval(topk_correct(logits, labels, k), n) for k in (1, 5))
     result = {
-        "top1": summary["top1"], "top5": summary["top5"], "loss": summary["loss"], "ece": summary["ece"],
+        "top1": summary["top1"], "top1_ci95_low": top1_ci[0], "top1_ci95_high": top1_ci[1],
+        "top5": summary["top5"], "top5_ci95_low": top5_ci[0], "top5_ci95_high": top5_ci[1],
+        "loss": summary["loss"], "ece": summary["ece"],
         "macro_f1": summary["macro_f1"], "mean_confidence": summary["mean_confidence"],
-        "images": len(labels), "eval_throughput_img_s": len(labels) / wall,
+        "images": n, "eval_throughput_img_s": n / wall,
         "model_throughput_img_s": inference_throughput(model, meta, device),
         "peak_mem_mb": peak_mem_mb(device), "device": device.type, "amp": meta["amp"],
         "weights": meta["weights"],
+        "warnings": split_warnings(n, read_index(prepared_dir).get("carved", [])),
     }
     classes = meta["classes"]
     mistakes = most_confident_mistakes(logits, labels, gallery_size)

@@ -105,7 +105,8 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
         writer.close()
         counts[split] = np.bincount(labels[positions], minlength=len(idx.CLASSES)).tolist()
         hashes[split] = split_hashes
-    index = write_index(out_dir, list(idx.CLASSES), cfg.stored_size, 1, counts, f"fashion-mnist:{raw_dir}")
+    index = write_index(out_dir, list(idx.CLASSES), cfg.stored_size, 1, counts, f"fashion-mnist:{raw_dir}",
+                        carved=["val"])
     return {
         "source": "fashion-mnist",
         "raw_dir": str(raw_dir),
@@ -229,7 +230,8 @@ def prepare_image_folder(cfg: DataConfig, seed: int, out_dir: Path, root: Path) 
     if len(classes) - len(no_train) < 2:
         raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
                         f"(without any: {', '.join(no_train)}); see metrics/data_report.json")
-    index = write_index(out_dir, classes, cfg.stored_size, 3, counts, f"imagefolder:{root}")
+    index = write_index(out_dir, classes, cfg.stored_size, 3, counts, f"imagefolder:{root}",
+                        carved=[s for s in ("val", "test") if not (predefined and s in tree)])
     return {
         "source": str(root),
         "predefined_splits": predefined,

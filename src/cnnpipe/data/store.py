@@ -53,11 +53,13 @@ class SplitWriter:
 
 
 def write_index(out_dir: Path, classes: list[str], size: int, channels: int,
-                counts: dict[str, list[int]], source: str) -> dict[str, Any]:
-    """Write index.json (class names, geometry, per-split per-class counts)."""
+                counts: dict[str, list[int]], source: str, carved: list[str]) -> dict[str, Any]:
+    """Write index.json (class names, geometry, per-split per-class counts, and which splits were
+    carved out of the training images rather than given by the source)."""
     index = {
         "format": FORMAT_VERSION,
         "source": source,
+        "carved": sorted(carved),
         "classes": classes,
         "size": size,
         "channels": channels,

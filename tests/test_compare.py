@@ -1,0 +1,127 @@
+"""How sure the comparison is: intervals, McNemar's test and the speed spread, on constructed results."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cnnpipe.compare import compare, load_variant, paired_significance, speed_spread, to_markdown
+from cnnpipe.evaluation import split_warnings
+from cnnpipe.stats import mcnemar_exact, median_iqr, ratio_range, wilson_interval
+from conftest import ROOT
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    # 81/263: Wilson 95% interval 0.2553-0.3662 (Newcombe 1998, table I, example b is 81/263).
+    low, high = wilson_interval(81, 263)
+    assert low == pytest.approx(0.2553, abs=1e-4) and high == pytest.approx(0.3662, abs=1e-4)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == pytest.approx(1.0)
+    narrow, wide = wilson_interval(5000, 10000), wilson_interval(12, 24)
+    assert narrow[1] - narrow[0] < 0.02 < 0.3 < wide[1] - wide[0]
+
+
+def test_mcnemar_exact_p_values():
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(5, 5) == 1.0
+    # 1 vs 9 discordant: 2 * P(X <= 1 | n=10, 1/2) = 2 * 11/1024
+    assert mcnemar_exact(1, 9) == pytest.approx(22 / 1024)
+    assert mcnemar_exact(9, 1) == mcnemar_exact(1, 9)
+    assert mcnemar_exact(300, 2300) < 1e-300 or mcnemar_exact(300, 2300) == 0.0  # large n stays exact, no overflow
+
+
+def _predictions(actual: list[str], right: list[bool]) -> dict[str, list[str]]:
+    return {"actual": actual, "predicted": [a if ok else f"not {a}" for a, ok in zip(actual, right)]}
+
+
+def test_an_identical_pair_is_no_difference():
+    actual = [f"c{i % 10}" for i in range(1000)]
+    preds = _predictions(actual, [i % 3 != 0 for i in range(1000)])
+    sig = paired_significance(preds, preds)
+    assert sig["p_value"] == 1.0 and sig["verdict"] == "no significant difference"
+    assert sig["only_baseline_right"] == sig["only_optimized_right"] == 0
+
+
+def test_a_clear_win_is_called_better_and_a_clear_loss_worse():
+    actual = [f"c{i % 10}" for i in range(1000)]
+    base = _predictions(actual, [i % 2 == 0 for i in range(1000)])  # 50%
+    opt = _predictions(actual, [i % 10 != 9 for i in range(1000)])  # 90%
+    sig = paired_significance(base, opt)
+    assert sig["verdict"] == "optimized is better" and sig["p_value"] < 1e-6
+    assert sig["only_optimized_right"] == 400 and sig["only_baseline_right"] == 0
+    assert paired_significance(opt, base)["verdict"] == "baseline is better"
+
+
+def test_different_test_labels_are_refused():
+    with pytest.raises(ValueError, match="different test labels"):
+        paired_significance({"actual": ["a", "b"], "predicted": ["a", "b"]},
+                            {"actual": ["b", "a"], "predicted": ["a", "b"]})
+
+
+def test_the_speed_ratio_comes_with_a_range_and_an_overlap_note():
+    assert median_iqr([3.0, 1.0, 2.0]) == (1.0, 2.0, 3.0)
+    fast, slow = [110.0, 112.0, 115.0, 113.0], [84.0, 86.0, 87.0, 81.0]
+    r = ratio_range(fast, slow)
+    assert r["low"] < r["ratio"] < r["high"] and not r["overlap"]
+    assert r["ratio"] == pytest.approx(median_iqr(fast)[1] / median_iqr(slow)[1])
+    noisy = ratio_range([90.0, 120.0, 100.0, 95.0], [85.0, 110.0, 92.0, 99.0])
+    assert noisy["overlap"] and noisy["low"] < 1.0 < noisy["high"]
+    spread = speed_spread({"history": [{"throughput_img_s": v} for v in slow]},
+                          {"history": [{"throughput_img_s": v} for v in fast]})
+    assert spread["optimized"]["epochs"] == 4 and spread["ratio"] == pytest.approx(r["ratio"])
+
+
+def test_small_or_carved_test_splits_are_flagged():
+    assert split_warnings(10000, ["val"]) == []
+    small = split_warnings(24, ["val", "test"])
+    assert len(small) == 2 and "24 images" in small[0] and "carved" in small[1]
+
+
+def _write_variant(root: Path, name: str, top1_right: list[bool], throughputs: list[float],
+                   warnings: list[str]) -> None:
+    actual = [f"c{i % 2}" for i in range(len(top1_right))]
+    preds = _predictions(actual, top1_right)
+    n, k = len(actual), sum(top1_right)
+    low, high = wilson_interval(k, n)
+    out = root / name
+    out.mkdir(parents=True)
+    (out / "eval.json").write_text(json.dumps({
+        "top1": k / n, "top1_ci95_low": low, "top1_ci95_high": high, "top5": 1.0, "top5_ci95_low": 0.9,
+        "top5_ci95_high": 1.0, "ece": 0.1, "model_throughput_img_s": 500.0, "warnings": warnings}))
+    (out / "train.json").write_text(json.dumps({
+        "epoch_time_s": 100 / statistics_median(throughputs), "train_time_s": 10.0,
+        "throughput_img_s": statistics_median(throughputs), "data_wait_frac": 0.1, "peak_mem_mb": 100.0,
+        "history": [{"throughput_img_s": t} for t in throughputs]}))
+    rows = "".join(f"{a},{p}\n" for a, p in zip(preds["actual"], preds["predicted"]))
+    (out / "predictions.csv").write_text("actual,predicted\n" + rows)
+
+
+def statistics_median(values: list[float]) -> float:
+    return median_iqr(values)[1]
+
+
+def test_a_tiny_test_set_gets_a_warning_and_no_better_claim(tmp_path):
+    """24 test images, 14 vs 17 right: a 12.5-point gap that McNemar cannot back."""
+    warning = split_warnings(24, ["val", "test"])
+    _write_variant(tmp_path, "baseline", [i < 14 for i in range(24)], [80.0, 82.0], warning)
+    _write_variant(tmp_path, "optimized", [i < 17 for i in range(24)], [81.0, 83.0], warning)
+    subprocess.run([sys.executable, str(ROOT / "stages" / "compare.py"), "--metrics", str(tmp_path)],
+                   capture_output=True, text=True, check=True)
+    md = (tmp_path / "compare.md").read_text()
+    assert "**no significant difference**" in md and "better" not in md
+    assert "small test split: 24 images" in md and "carved out of the training images" in md
+    assert "within run-to-run spread" in md
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert result["significance"]["p_value"] == pytest.approx(mcnemar_exact(0, 3))
+
+
+def test_the_default_runs_committed_comparison_reads_back(tmp_path):
+    """compare() on the committed metrics: the headline matches the McNemar verdict in the JSON."""
+    metrics = ROOT / "metrics"
+    base, opt = load_variant(metrics, "baseline"), load_variant(metrics, "optimized")
+    result = compare(base, opt)
+    md = to_markdown(result)
+    assert result["significance"]["test_images"] == opt["eval"]["images"]
+    assert f"**{result['significance']['verdict']}**" in md
+    assert "Train throughput per epoch" in md
