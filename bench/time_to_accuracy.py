@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from cnnpipe.config import RunConfig, load_params, resolve
+from cnnpipe.config import VariantConfig, load_params, resolve
 from cnnpipe.data.loaders import build_eval_loader
 from cnnpipe.data.store import open_split
 from cnnpipe.distributed import DistInfo, init_distributed
 from cnnpipe.engine import evaluate_top1
-from cnnpipe.evaluation import make_transform
+from cnnpipe.trained import make_transform
 from cnnpipe.hardware import cpu_report
 from cnnpipe.models import model_mean_std
 from cnnpipe.precision import resolve_amp
@@ -47,7 +47,7 @@ class Top1Tracker:
     """Evaluates test top-1 after each epoch with evaluation's transform and precision; keeps the
     wall-clock curve (its own evaluation time excluded) and stops the run at the target or the cap."""
 
-    def __init__(self, prepared: Path, info: DistInfo, cfg: RunConfig, target: float, cap_s: float | None) -> None:
+    def __init__(self, prepared: Path, info: DistInfo, cfg: VariantConfig, target: float, cap_s: float | None) -> None:
         self.split = open_split(prepared, "test")
         self.loader = build_eval_loader(self.split, batch_size=256)
         self.info, self.cfg, self.target, self.cap_s = info, cfg, target, cap_s

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from cnnpipe.config import ParamsError, budget_config, load_params, resolve
+from cnnpipe.config import ParamsError, run_config, load_params, resolve
 from cnnpipe.data.store import read_index
 from cnnpipe.files import write_json, write_text
 from cnnpipe.hardware import cpu_report
@@ -25,7 +25,7 @@ def main() -> int:
     out = Path(args.out)
     try:
         raw = load_params(args.params)
-        budget = budget_config(raw)
+        budget = run_config(raw)
         cfgs = [resolve(raw, name) for name in raw["variants"]]
         recipes = []
         for cfg in cfgs:

@@ -4,10 +4,23 @@ import pytest
 import torch
 import yaml
 
-from cnnpipe.config import ParamsError, load_params, resolve
+import dataclasses
+
+from cnnpipe.config import (DataConfig, ModelConfig, ParamsError, ProfileConfig, RunConfig, TrainConfig, build_section,
+                            load_params, resolve)
 from cnnpipe.tuning import resolve_auto
 
 from conftest import ROOT, base_params, write_params
+
+
+@pytest.mark.parametrize("section, cls", [("run", RunConfig), ("data", DataConfig), ("model", ModelConfig),
+                                          ("train", TrainConfig), ("profile", ProfileConfig)])
+def test_dataclass_defaults_are_params_yaml(section, cls):
+    """One source of defaults: each section's dataclass, built with no values, equals params.yaml's
+    shared section, and params.yaml sets every key (so a reader sees them all in one place)."""
+    shared = yaml.safe_load((ROOT / "params.yaml").read_text())[section]
+    assert set(shared) == {f.name for f in dataclasses.fields(cls)}, f"params.yaml `{section}:` misses keys"
+    assert build_section(cls, shared, section) == cls(), f"{cls.__name__} defaults differ from params.yaml"
 
 
 def test_project_params_are_valid():

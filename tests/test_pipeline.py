@@ -20,8 +20,8 @@ PROJECT_FILES = ("dvc.yaml", "stages", "src", ".dvc/config", ".dvcignore", "pypr
                  "weights/README.md")
 
 
-def run(cmd: list[str], cwd: Path) -> str:
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+def run(cmd: list[str], cwd: Path, extra_env: dict[str, str] | None = None) -> str:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **(extra_env or {}))
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout + proc.stderr
@@ -57,7 +57,7 @@ def project(tmp_path_factory, fake_fmnist) -> Path:
 def test_repro_produces_every_output_and_metric(project):
     out = run(["dvc", "repro"], project)
     ran = stages_run(out)
-    assert set(ran) == {"prepare", "profile@baseline", "profile@optimized", "profile_report", "plan",
+    assert set(ran) == {"machine", "prepare", "profile@baseline", "profile@optimized", "profile_report", "plan",
                         "train@baseline", "train@optimized", "evaluate@baseline", "evaluate@optimized",
                         "export@baseline", "export@optimized", "compare"}
     # The plan is printed before any training starts.
@@ -99,8 +99,51 @@ def test_repro_produces_every_output_and_metric(project):
 
 
 def test_second_repro_is_a_noop(project):
+    """Same machine, nothing edited: only the (always run) machine stage runs, and nothing after it."""
     out = run(["dvc", "repro"], project)
-    assert stages_run(out) == []
+    assert stages_run(out) == ["machine"]
+
+
+def _stale(project: Path) -> set[str]:
+    status = json.loads(run(["dvc", "status", "--json"], project).strip().splitlines()[-1])
+    return set(status) - {"machine"}  # always changed by design
+
+
+@pytest.mark.parametrize("key, value, stale", [
+    # the optimiser's numbers: training reruns, no profile, no plan
+    ("lr", 0.15, {"train@baseline", "train@optimized"}),
+    ("label_smoothing", 0.05, {"train@baseline", "train@optimized"}),
+    # the batch changes step speed: both profiles and the plan are stale too
+    ("batch_size", 16, {"profile@baseline", "profile@optimized", "plan", "train@baseline", "train@optimized"}),
+])
+def test_only_what_a_key_changes_is_stale(project, key, value, stale):
+    params_file = project / "params.yaml"
+    original = params_file.read_text()
+    params = yaml.safe_load(original)
+    params["train"][key] = value
+    write_params(params_file, params)
+    try:
+        assert _stale(project) == stale
+    finally:
+        params_file.write_text(original)
+    assert _stale(project) == set()
+
+
+def test_another_machine_reruns_the_profiles_and_the_plan(project):
+    """A new fingerprint (here a label; in real life a new CPU or GPU) re-measures before training."""
+    tuned = {v: (project / "metrics" / "profile" / f"{v}_tuned.yaml").read_text() for v in ("baseline", "optimized")}
+    budget = (project / "metrics" / "plan" / "budget.yaml").read_text()
+    env = {"CNNPIPE_MACHINE_LABEL": "another box"}
+    out = run(["dvc", "repro"], project, env)
+    ran = set(stages_run(out))
+    assert {"machine", "profile@baseline", "profile@optimized", "plan"} <= ran
+    assert json.loads((project / "metrics" / "machine.json").read_text())["label"] == "another box"
+    for variant in ("baseline", "optimized"):
+        same = tuned[variant] == (project / "metrics" / "profile" / f"{variant}_tuned.yaml").read_text()
+        same = same and budget == (project / "metrics" / "plan" / "budget.yaml").read_text()
+        assert (f"train@{variant}" in ran) == (not same), (variant, ran)
+    assert stages_run(run(["dvc", "repro"], project, env)) == ["machine"]
+    run(["dvc", "repro"], project)  # back to this machine's fingerprint for the tests that follow
 
 
 def test_changing_optimized_params_reruns_only_optimized_stages(project):
@@ -110,7 +153,7 @@ def test_changing_optimized_params_reruns_only_optimized_stages(project):
     diff = run(["dvc", "params", "diff"], project)
     assert "variants.optimized.train.lr" in diff
     out = run(["dvc", "repro"], project)
-    assert set(stages_run(out)) == {"profile@optimized", "profile_report", "plan", "train@optimized",
+    assert set(stages_run(out)) == {"machine", "profile@optimized", "profile_report", "plan", "train@optimized",
                                     "evaluate@optimized", "export@optimized", "compare"}
 
 

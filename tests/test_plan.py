@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cnnpipe import hardware
-from cnnpipe.config import ParamsError, budget_config, load_params, resolve
+from cnnpipe.config import ParamsError, run_config, load_params, resolve
 from cnnpipe.data.loaders import ShardSampler
 from cnnpipe.budget import apply_budget
 from cnnpipe.plan import LADDER, Recipe, budget_values, make_plan, predict_total, recipe_from_profile, to_text
@@ -115,14 +115,14 @@ def test_budget_param_is_validated(tmp_path):
     with pytest.raises(ParamsError, match=r"`run.budget_minutes` = 0"):
         load_params(write_params(tmp_path / "p.yaml", params))
     params["run"] = {"budget_minutes": None}
-    assert budget_config(load_params(write_params(tmp_path / "p.yaml", params))).budget_minutes is None
+    assert run_config(load_params(write_params(tmp_path / "p.yaml", params))).budget_minutes is None
     params["train"]["images_per_epoch"] = 0
     with pytest.raises(ParamsError, match="train.images_per_epoch"):
         load_params(write_params(tmp_path / "p.yaml", params))
 
 
 def test_the_shipped_params_have_a_budget():
-    assert budget_config(load_params(ROOT / "params.yaml")).budget_minutes == 20
+    assert run_config(load_params(ROOT / "params.yaml")).budget_minutes == 20
 
 
 def test_per_epoch_subset_is_fresh_each_epoch_and_sharded_exactly():

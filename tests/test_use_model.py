@@ -16,7 +16,8 @@ from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.data.store import open_split
 from cnnpipe.distributed import DistInfo
 from cnnpipe.engine import predict as engine_predict
-from cnnpipe.evaluation import evaluate, load_trained, make_transform
+from cnnpipe.evaluation import evaluate
+from cnnpipe.trained import load_trained, make_transform
 from cnnpipe.gallery import most_confident_mistakes
 
 from conftest import save_image, tiny_params, write_params

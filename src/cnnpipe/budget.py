@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from .config import RunConfig
+from .config import VariantConfig
 from .schedule import batch_for_steps
 
 
@@ -25,7 +25,7 @@ def read_budget(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def apply_budget(cfg: RunConfig, budget: dict[str, Any]) -> RunConfig:
+def apply_budget(cfg: VariantConfig, budget: dict[str, Any]) -> VariantConfig:
     """`cfg` with the budget's images per epoch, when it is lower than what the params ask for."""
     cap = budget.get("images_per_epoch")
     if cap is None:
@@ -34,7 +34,7 @@ def apply_budget(cfg: RunConfig, budget: dict[str, Any]) -> RunConfig:
     return cfg.with_train(images_per_epoch=cap if current is None else min(current, cap))
 
 
-def fit_batch_to_steps(cfg: RunConfig, n_train: int, world_size: int) -> RunConfig:
+def fit_batch_to_steps(cfg: VariantConfig, n_train: int, world_size: int) -> VariantConfig:
     """`cfg` with the batch `train.min_steps` asks for, given the images each epoch draws."""
     t = cfg.train
     images = n_train if t.images_per_epoch is None else min(n_train, t.images_per_epoch)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import RunConfig
+from .config import VariantConfig
 
 # Keys that may change between a crash and its resume without changing what training computes.
 RESUME_NEUTRAL = {("train", "checkpoint_every"), ("train", "threads"), ("train", "num_workers"),
@@ -34,7 +34,7 @@ def data_fingerprint(prepared_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def fingerprint(cfg: RunConfig, data: str = "") -> str:
+def fingerprint(cfg: VariantConfig, data: str = "") -> str:
     """Hash of every setting that changes what training computes, and of the data it trains on."""
     raw = cfg.to_dict()
     for section, key in RESUME_NEUTRAL:

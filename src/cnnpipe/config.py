@@ -17,9 +17,6 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-VARIANTS = ("baseline", "optimized")
-
-
 class ParamsError(ValueError):
     """A params.yaml value is missing, mistyped or out of range."""
 
@@ -97,10 +94,10 @@ class ModelConfig:
 class TrainConfig:
     """`train:` section; `variants.<name>.train` overrides it per recipe."""
 
-    epochs: int = 3
-    batch_size: int = 128
+    epochs: int = 4
+    batch_size: int = 256
     """Per-process batch size."""
-    lr: float = 0.1
+    lr: float = 0.2
     """Peak learning rate for a global batch of 256; scaled linearly with the real global batch."""
     optimizer: Literal["sgd", "adamw"] = "sgd"
     momentum: float = 0.9
@@ -113,7 +110,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of the peak LR."""
     label_smoothing: float = 0.1
-    crop_scale_min: float = 0.35
+    crop_scale_min: float = 0.6
     """Smallest crop area (fraction of the image) of the random-resized crop."""
     hflip: bool = True
     """Random horizontal flips."""
@@ -137,9 +134,9 @@ class TrainConfig:
     loader: Literal["baseline", "fast", "auto"] = "auto"
     """`baseline`: per-sample PIL + torchvision transforms; `fast`: batched tensor augmentation;
     `auto`: the profile's measured winner (default fast)."""
-    num_workers: int | Literal["auto"] = 0
+    num_workers: int | Literal["auto"] = "auto"
     """Loader worker processes; `auto` takes the profile's measured winner (default 0)."""
-    pin_memory: bool | Literal["auto"] = False
+    pin_memory: bool | Literal["auto"] = True
     """Page-locked loader batches (CUDA only); `auto` takes the profile's measured winner (default true)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc: int = 1
@@ -159,7 +156,7 @@ class TrainConfig:
     images_per_epoch: int | None = None
     """Training images drawn (a fresh random subset) per epoch; null = the whole training split.
     The time budget (`run.budget_minutes`) may lower it; the LR schedule follows the real steps."""
-    min_steps: int | None = None
+    min_steps: int | None = 300
     """Fewest optimizer steps a run should take: when the images per epoch leave fewer (a tight
     budget), the batch is halved until they do, down to 64, with the LR scaled along; null = keep
     `batch_size` whatever the run's length."""
@@ -237,7 +234,7 @@ class ProfileConfig:
 
 
 @dataclass(frozen=True)
-class BudgetConfig:
+class RunConfig:
     """`run:` section: how long the whole `dvc repro` may take on this machine."""
 
     budget_minutes: float | None = 20.0
@@ -250,14 +247,15 @@ class BudgetConfig:
             _fail("run.budget_minutes", self.budget_minutes, "null (no budget) or minutes in [1, 100000]")
 
 
-def budget_config(raw: dict[str, Any]) -> BudgetConfig:
+def run_config(raw: dict[str, Any]) -> RunConfig:
     """The `run` section."""
-    return build_section(BudgetConfig, raw.get("run"), "run")
+    return build_section(RunConfig, raw.get("run"), "run")
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    """Everything one variant's stage needs: shared sections with the variant's overrides."""
+class VariantConfig:
+    """One resolved variant (`variants.<name>` applied over the shared sections): everything its
+    stages need."""
 
     variant: str
     seed: int
@@ -270,7 +268,7 @@ class RunConfig:
         """Plain dict, for saving next to the results."""
         return dataclasses.asdict(self)
 
-    def with_train(self, **changes: Any) -> RunConfig:
+    def with_train(self, **changes: Any) -> VariantConfig:
         """This config with `train.*` keys replaced (validated like any params value)."""
         return dataclasses.replace(self, train=dataclasses.replace(self.train, **changes)) if changes else self
 
@@ -368,7 +366,7 @@ def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
     for name in variants:
         resolve(raw, name)  # validate each variant up front
     data_config(raw)
-    budget_config(raw)
+    run_config(raw)
     return raw
 
 
@@ -377,7 +375,7 @@ def data_config(raw: dict[str, Any]) -> DataConfig:
     return build_section(DataConfig, raw.get("data"), "data")
 
 
-def resolve(raw: dict[str, Any], variant: str) -> RunConfig:
+def resolve(raw: dict[str, Any], variant: str) -> VariantConfig:
     """Shared sections with `variants.<variant>` overrides applied, validated."""
     variants = raw.get("variants") or {}
     if variant not in variants:
@@ -400,7 +398,7 @@ def resolve(raw: dict[str, Any], variant: str) -> RunConfig:
         build_section(cls, shared, name)  # errors in the shared part name the shared key
         return build_section(cls, _merge(shared, override.get(name) or {}), f"{prefix}.{name}")
 
-    return RunConfig(
+    return VariantConfig(
         variant=variant,
         seed=seed,
         data=data_config(raw),

@@ -21,7 +21,7 @@ import torch
 
 from .data.loaders import build_eval_loader
 from .data.store import open_split
-from .evaluation import load_trained, make_transform
+from .trained import load_trained, make_transform
 from .files import write_json
 
 OPSET = 18

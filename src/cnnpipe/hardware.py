@@ -60,3 +60,24 @@ def cpu_report() -> dict[str, object]:
         "fast_bf16": cpu_has_fast_bf16(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
+
+
+LABEL_ENV = "CNNPIPE_MACHINE_LABEL"
+"""Set it to tell apart machines that look alike here (same CPU and GPU, different memory or
+interconnect): its value is part of the fingerprint, so a new label reruns the profiles."""
+
+
+def machine_fingerprint() -> dict[str, object]:
+    """The facts that decide training speed, and nothing that changes between runs on one machine.
+
+    The profile and the plan depend on this (the `machine` stage writes it), so a workspace moved to
+    another machine re-measures before it trains with tuned values from the old one.
+    """
+    cuda = torch.cuda.is_available()
+    return {
+        "cpu": cpu_report(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "label": os.environ.get(LABEL_ENV, ""),
+    }

@@ -23,7 +23,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
 
-from .config import RunConfig
+from .config import VariantConfig
 from .schedule import batch_for_steps
 
 LADDER = (1.0, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 3 / 16, 1 / 8, 3 / 32, 1 / 16, 1 / 32, 1 / 64)
@@ -65,7 +65,7 @@ class Recipe:
         return self.train_img_s * self.smaller_batch_speed.get(self.batch_for(images_per_epoch), 1.0)
 
 
-def recipe_from_profile(cfg: RunConfig, profile: dict[str, Any]) -> Recipe:
+def recipe_from_profile(cfg: VariantConfig, profile: dict[str, Any]) -> Recipe:
     """A `Recipe` from metrics/profile/<variant>.json and the variant's resolved config."""
     train_img_s = profile["throughput_img_s"] * profile.get("tuned_speedup", 1.0)
     forward = profile.get("fractions", {}).get("forward") or 0.25

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from .data.decode import decode_file, is_hidden
 from .data.store import read_index
 from .distributed import resolve_device
-from .evaluation import load_trained, make_transform
+from .trained import load_trained, make_transform
 from .precision import autocast
 
 DEFAULT_MAX_PIXELS = 89_478_485  # data.max_pixels' default: PIL's own decompression-bomb limit

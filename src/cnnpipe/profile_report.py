@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .profiling import REGIONS, all_trials
+from .profile_format import REGIONS, all_trials
 
 
 def load_profiles(profile_dir: Path, variants: list[str]) -> dict[str, dict[str, Any]]:

@@ -23,7 +23,7 @@ import yaml
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
-from .config import RunConfig
+from .config import VariantConfig
 from .data.loaders import TrainLoader
 from .diagnosis import MEMORY_FRAC, Facts, Recommendation, diagnose
 from .distributed import DistInfo
@@ -31,11 +31,11 @@ from .engine import StepContext, micro_step, no_region
 from .files import write_json, write_text
 from .kernels import busy_fraction, tensor_core_share
 from .monitor import peak_mem_mb
+from .profile_format import REGIONS, all_trials
 from .schedule import MIN_BATCH, scaled_lr
 from .trainer import build_training, step_context
 from .tuning import auto_knobs, resolve_auto
 
-REGIONS = ("data_wait", "copy", "augment", "forward", "backward", "optimizer", "sync")
 SYNC_EVENTS = {
     # every `.item()`, `.tolist()` or `if tensor:` reads a scalar back to Python through this op
     "cpu": ("aten::_local_scalar_dense",),
@@ -82,7 +82,7 @@ def _memory_frac(device: torch.device) -> float | None:
 class Setup:
     """A ready-to-step training configuration (engine context and loader) for one variant."""
 
-    cfg: RunConfig
+    cfg: VariantConfig
     ctx: StepContext
     loader: TrainLoader
     images_per_step: int
@@ -107,7 +107,7 @@ class Setup:
             return next(self._iter)
 
 
-def build_setup(cfg: RunConfig, info: DistInfo, prepared_dir: Path) -> Setup:
+def build_setup(cfg: VariantConfig, info: DistInfo, prepared_dir: Path) -> Setup:
     """Model, optimizer and loader built by the same code as `fit`, at a small constant LR."""
     cfg = resolve_auto(cfg, info.device)
     torch.manual_seed(cfg.seed)
@@ -267,7 +267,7 @@ def paired_trial(knob: str, change: dict[str, Any], current: Setup, candidate: S
                  statistics.median(after), win=speedup >= 1 + min_gain and min(ratios) > 1.0, note=note)
 
 
-def candidates(cfg: RunConfig, requested: RunConfig, device: torch.device,
+def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.device,
                recommended: set[str]) -> list[tuple[str, dict[str, Any]]]:
     """(knob, change) pairs to measure: every `auto` knob, plus the knobs the diagnosis points at.
 
@@ -291,7 +291,7 @@ def candidates(cfg: RunConfig, requested: RunConfig, device: torch.device,
     return out
 
 
-def run_trials(cfg: RunConfig, requested: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup,
+def run_trials(cfg: VariantConfig, requested: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
                recommended: set[str]) -> list[Trial]:
     """Measure each candidate against `current`, then grow the batch while it pays."""
     p = cfg.profile
@@ -307,7 +307,7 @@ def run_trials(cfg: RunConfig, requested: RunConfig, info: DistInfo, prepared_di
     return results
 
 
-def batch_trials(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup,
+def batch_trials(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
                  max_doublings: int = 2) -> list[Trial]:
     """Double the batch while each doubling adds `min_gain`, memory stays under the memory rule's
     threshold and nothing OOMs."""
@@ -345,7 +345,7 @@ at 64 in fp32 on a one-core CPU (0.94x and 1.09x for NCHW, measured), so a layou
 profiled batch can be the wrong one for a short run's batch."""
 
 
-def smaller_batch_trials(requested: RunConfig, cfg: RunConfig, info: DistInfo, prepared_dir: Path,
+def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: DistInfo, prepared_dir: Path,
                          current: Setup, tuned: dict[str, Any], tuned_gain: float) -> list[dict[str, Any]]:
     """Speed of each batch `train.min_steps` may halve to, and the batch-sensitive `auto` knobs
     re-tuned there.
@@ -379,7 +379,7 @@ def smaller_batch_trials(requested: RunConfig, cfg: RunConfig, info: DistInfo, p
     return out
 
 
-def compile_trial(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: Setup) -> Trial:
+def compile_trial(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup) -> Trial:
     """torch.compile, judged over the whole run: the per-step gain must repay the compile time."""
     p, change = cfg.profile, {"compile": "default"}
     try:
@@ -402,7 +402,7 @@ def compile_trial(cfg: RunConfig, info: DistInfo, prepared_dir: Path, current: S
     return trial
 
 
-def tuned_settings(requested: RunConfig, current: RunConfig, results: list[Trial]) -> dict[str, Any]:
+def tuned_settings(requested: VariantConfig, current: VariantConfig, results: list[Trial]) -> dict[str, Any]:
     """A value for each knob `requested` leaves at `auto`: the best winning trial's, else the default."""
     tuned = {knob: getattr(current.train, knob) for knob in auto_knobs(requested)}
     for knob in tuned:
@@ -412,7 +412,7 @@ def tuned_settings(requested: RunConfig, current: RunConfig, results: list[Trial
     return tuned
 
 
-def confirm_combined(requested: RunConfig, current: RunConfig, info: DistInfo, prepared_dir: Path,
+def confirm_combined(requested: VariantConfig, current: VariantConfig, info: DistInfo, prepared_dir: Path,
                      base: Setup, results: list[Trial], tuned: dict[str, Any]) -> tuple[dict[str, Any], Trial | None]:
     """Knobs that each won alone are measured together; when the mix does not win, only the best
     single change is kept (so the recipe never ships an unmeasured combination)."""
@@ -430,7 +430,7 @@ def confirm_combined(requested: RunConfig, current: RunConfig, info: DistInfo, p
     return kept, combined
 
 
-def recommended_together(cfg: RunConfig, info: DistInfo, prepared_dir: Path, base: Setup, results: list[Trial],
+def recommended_together(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, base: Setup, results: list[Trial],
                          knobs: list[str]) -> Trial | None:
     """The recommended knobs applied at once: they interact (bf16 convolutions want NHWC in oneDNN
     and cuDNN), so the sum of one-at-a-time gains understates what following the advice buys."""
@@ -448,7 +448,7 @@ def recommended_together(cfg: RunConfig, info: DistInfo, prepared_dir: Path, bas
 
 # ---- the stage -------------------------------------------------------------------------------
 
-def tuned_speedup(current: RunConfig, tuned: dict[str, Any], results: list[Trial],
+def tuned_speedup(current: VariantConfig, tuned: dict[str, Any], results: list[Trial],
                   combined: Trial | None) -> float:
     """Measured speed-up of the tuned values over the profiled (current) ones; 1.0 when unchanged.
 
@@ -481,7 +481,7 @@ def _with_measurement(rec: Recommendation, results: list[Trial]) -> dict[str, An
     return entry
 
 
-def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, trace_dir: Path,
+def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path, trace_dir: Path,
                     with_trials: bool) -> dict[str, Any]:
     """Everything metrics/profile/<variant>.json holds (`tuned`: values for the `auto` knobs)."""
     cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
@@ -544,11 +544,6 @@ def profile_variant(requested: RunConfig, info: DistInfo, prepared_dir: Path, tr
 
 
 # ---- outputs ---------------------------------------------------------------------------------
-
-def all_trials(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The one-knob trials, then the combined (or "recommended") one when there was one."""
-    return result["trials"] + ([result["combined_trial"]] if result.get("combined_trial") else [])
-
 
 def save_profile(result: dict[str, Any], out_dir: Path) -> None:
     """`<variant>.json` and `<variant>_tuned.yaml` (only the `auto` knobs, so explicit recipes get

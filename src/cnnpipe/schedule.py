@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+from .config import TrainConfig
 
 
 def lr_at(step: int, *, total_steps: int, peak_lr: float, warmup_steps: int = 0,
@@ -31,6 +34,28 @@ def warmup_steps(warmup_epochs: float, train_images: int, global_batch: int, tot
     not shrink when an epoch draws fewer images. Never more than half the run.
     """
     return min(int(round(warmup_epochs * train_images / global_batch)), total_steps // 2)
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """The LR of every optimizer step of one run, built from the `train:` params in one place:
+    `train.lr` scaled to the real global batch, warmup in passes over the whole split, then decay."""
+
+    peak_lr: float
+    total_steps: int
+    warmup_steps: int
+    kind: str
+    min_lr_ratio: float
+
+    @classmethod
+    def for_run(cls, t: TrainConfig, train_images: int, global_batch: int, total_steps: int) -> LrSchedule:
+        """The schedule of a run of `total_steps` optimizer steps at `global_batch` images each."""
+        warmup = warmup_steps(t.warmup_epochs, train_images, global_batch, total_steps) if t.schedule == "cosine" else 0
+        return cls(scaled_lr(t.lr, global_batch), total_steps, warmup, t.schedule, t.min_lr_ratio)
+
+    def __call__(self, step: int) -> float:
+        return lr_at(step, total_steps=self.total_steps, peak_lr=self.peak_lr, warmup_steps=self.warmup_steps,
+                     kind=self.kind, min_lr_ratio=self.min_lr_ratio)
 
 
 MIN_BATCH = 64

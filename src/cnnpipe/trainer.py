@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from .budget import fit_batch_to_steps
-from .config import RunConfig
+from .config import VariantConfig
 from .data.loaders import AugmentConfig, FastTransform, TrainLoader, build_eval_loader, build_train_loader
 from .data.store import PreparedSplit, open_split, read_index
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, unwrap
@@ -42,7 +42,7 @@ def seed_everything(seed: int, rank: int = 0) -> None:
     torch.manual_seed(seed + rank)
 
 
-def set_threads(cfg: RunConfig, info: DistInfo) -> int:
+def set_threads(cfg: VariantConfig, info: DistInfo) -> int:
     """Intra-op threads: `train.threads`, else the usable cores shared evenly by the local processes.
 
     More threads than cores (e.g. torch's default under a restricted affinity mask) makes every
@@ -54,7 +54,7 @@ def set_threads(cfg: RunConfig, info: DistInfo) -> int:
     return threads
 
 
-def build_model(cfg: RunConfig, num_classes: int, channels: int, device: torch.device):
+def build_model(cfg: VariantConfig, num_classes: int, channels: int, device: torch.device):
     """Model on `device` in the configured memory format, with its init record."""
     model, init = create_model(cfg.model, num_classes, channels)
     model.to(device)
@@ -63,7 +63,7 @@ def build_model(cfg: RunConfig, num_classes: int, channels: int, device: torch.d
     return model, init
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: VariantConfig) -> torch.optim.Optimizer:
     """timm's optimizer factory: no weight decay on norms and biases."""
     t = cfg.train
     name = "adamw" if t.optimizer == "adamw" else ("sgd" if t.nesterov else "momentum")
@@ -87,7 +87,7 @@ class TrainingParts:
     loader: TrainLoader
 
 
-def build_training(cfg: RunConfig, info: DistInfo, prepared_dir: Path) -> TrainingParts:
+def build_training(cfg: VariantConfig, info: DistInfo, prepared_dir: Path) -> TrainingParts:
     """Model, optimizer, scaler and this rank's training loader for a resolved config."""
     t = cfg.train
     split = open_split(prepared_dir, "train")
@@ -103,7 +103,7 @@ def build_training(cfg: RunConfig, info: DistInfo, prepared_dir: Path) -> Traini
     return TrainingParts(split, model, init, mean, std, amp, optimizer, grad_scaler(amp, info.device), aug, loader)
 
 
-def step_context(cfg: RunConfig, parts: TrainingParts, info: DistInfo, lr_for_step: Callable[[int], float],
+def step_context(cfg: VariantConfig, parts: TrainingParts, info: DistInfo, lr_for_step: Callable[[int], float],
                  ema: torch.nn.Module | None = None) -> tuple[StepContext, torch.nn.Module]:
     """The step's context (DDP, compile and mixup applied) and the model to evaluate and save.
 
@@ -151,7 +151,7 @@ class _Live:
             self.live.end()
 
 
-def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, metrics_path: Path,
+def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, metrics_path: Path,
         live_dir: Path, tuned: dict[str, Any] | None = None,
         epoch_hook: Callable[[torch.nn.Module], dict[str, float]] | None = None) -> dict[str, Any] | None:
     """Train `cfg.variant`; resume from `model_dir/last.pt` when it was made under the same params.
@@ -286,14 +286,14 @@ def fit(cfg: RunConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, met
     return summary
 
 
-def _batch_note(cfg: RunConfig, requested_batch: int) -> str:
+def _batch_note(cfg: VariantConfig, requested_batch: int) -> str:
     """Why the batch differs from train.batch_size, for the log line and train.json ('' when it doesn't)."""
     if cfg.train.batch_size == requested_batch:
         return ""
     return f"train.batch_size {requested_batch} halved to reach train.min_steps={cfg.train.min_steps}"
 
 
-def _model_meta(cfg: RunConfig, split, mean, std, amp: str) -> dict[str, Any]:
+def _model_meta(cfg: VariantConfig, split, mean, std, amp: str) -> dict[str, Any]:
     """What evaluate/predict need to rebuild the model and its input transform."""
     return {"model_name": cfg.model.name, "num_classes": split.num_classes, "in_chans": split.channels,
             "classes": split.classes, "mean": list(mean), "std": list(std), "image_size": cfg.data.image_size,
@@ -318,7 +318,7 @@ def _epoch_record(epoch: int, stats, val: dict[str, float], info: DistInfo) -> d
     }
 
 
-def _summary(cfg: RunConfig, history: list[dict], init, info: DistInfo, amp: str, global_batch: int,
+def _summary(cfg: VariantConfig, history: list[dict], init, info: DistInfo, amp: str, global_batch: int,
              peak_lr: float, threads: int, resumed_from: int | None, gpu_util: float | None,
              wall_s: float) -> dict[str, Any]:
     epoch_times = [h["epoch_time_s"] for h in history]

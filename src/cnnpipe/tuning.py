@@ -14,13 +14,13 @@ from typing import Any
 import torch
 import yaml
 
-from .config import RunConfig
+from .config import VariantConfig
 from .precision import resolve_amp
 
 TUNABLE = ("amp", "channels_last", "loader", "num_workers", "pin_memory", "compile")
 
 
-def auto_knobs(cfg: RunConfig) -> list[str]:
+def auto_knobs(cfg: VariantConfig) -> list[str]:
     """The tunable train.* keys this variant leaves at `auto`."""
     return [k for k in TUNABLE if getattr(cfg.train, k) == "auto"]
 
@@ -42,7 +42,7 @@ def read_tuned(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def resolve_auto(cfg: RunConfig, device: torch.device, tuned: dict[str, Any] | None = None) -> RunConfig:
+def resolve_auto(cfg: VariantConfig, device: torch.device, tuned: dict[str, Any] | None = None) -> VariantConfig:
     """`cfg` with every `auto` knob replaced: the tuned value when given, else the default.
 
     `tuned["at_batch"][B]` holds values the profile measured to win at per-process batch B (one

@@ -1,0 +1,110 @@
+"""dvc.yaml tells the truth: each stage lists exactly the src/cnnpipe modules its script imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+SRC = ROOT / "src"
+PACKAGE = SRC / "cnnpipe"
+
+
+def _module_file(dotted: str) -> Path | None:
+    """src/ file of a `cnnpipe...` module (a package maps to its __init__.py), None outside cnnpipe."""
+    if dotted != "cnnpipe" and not dotted.startswith("cnnpipe."):
+        return None
+    base = SRC.joinpath(*dotted.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    raise AssertionError(f"import of {dotted}: no such module under {SRC}")
+
+
+def _dotted(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[Path]:
+    """cnnpipe files `path` imports directly, anywhere in it (function-level imports too)."""
+    package = _dotted(path) if path.is_relative_to(PACKAGE) else ""
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    found: set[Path] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]  # `from pkg import module`
+        for name in names:
+            try:
+                module = _module_file(name)
+            except AssertionError:
+                if name in names[1:]:  # `from x import function`: not a module
+                    continue
+                raise
+            if module is not None:
+                found.add(module)
+    return found
+
+
+def transitive_modules(script: Path) -> set[str]:
+    """Every cnnpipe module the script runs, as paths relative to the project (package __init__s left
+    out: they hold no code, which `test_package_inits_hold_no_code` keeps true)."""
+    seen: set[Path] = set()
+    todo = [script]
+    while todo:
+        for module in imported_modules(todo.pop()):
+            if module not in seen:
+                seen.add(module)
+                todo.append(module)
+    return {str(p.relative_to(ROOT)) for p in seen if p.name != "__init__.py"}
+
+
+def stages() -> dict[str, dict]:
+    return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+
+
+def _body(stage: dict) -> dict:
+    return stage.get("do", stage)
+
+
+def _script(stage: dict) -> Path:
+    return ROOT / next(word for word in _body(stage)["cmd"].split() if word.startswith("stages/"))
+
+
+@pytest.mark.parametrize("name", sorted(stages()))
+def test_stage_lists_exactly_the_modules_it_imports(name):
+    body = _body(stages()[name])
+    script = _script(stages()[name])
+    listed = {d for d in body.get("deps", []) if isinstance(d, str) and d.startswith("src/")}
+    imported = transitive_modules(script)
+    missing, extra = sorted(imported - listed), sorted(listed - imported)
+    assert not missing, f"dvc.yaml stage {name!r} runs {script.name}, which imports {missing}: add them to its deps"
+    assert not extra, f"dvc.yaml stage {name!r} lists {extra}, which {script.name} never imports: remove them"
+    assert str(script.relative_to(ROOT)) in body["deps"], f"stage {name!r} must list its own script"
+
+
+def test_package_inits_hold_no_code():
+    for init in PACKAGE.rglob("__init__.py"):
+        tree = ast.parse(init.read_text())
+        code = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+                and not (isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant))]
+        assert not code, f"{init} holds code; list it in dvc.yaml deps or move the code to a module"
+
+
+def test_the_walker_follows_relative_and_function_level_imports(tmp_path):
+    """The walker itself: evaluate.py reaches engine.py only through evaluation.py."""
+    found = transitive_modules(ROOT / "stages" / "evaluate.py")
+    assert {"src/cnnpipe/evaluation.py", "src/cnnpipe/engine.py", "src/cnnpipe/distributed.py"} <= found
+    assert "src/cnnpipe/trainer.py" not in found
