@@ -1,8 +1,35 @@
 """export stage: the best checkpoint to TorchScript and ONNX, with a parity check on the test split."""
 
+import argparse
 import sys
+from pathlib import Path
 
-from cnnpipe.export import main
+from cnnpipe.export import OPSET, export_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("variant", nargs="?", default="optimized")
+    parser.add_argument("--models", type=Path, default=Path("models"))
+    parser.add_argument("--data", type=Path, default=Path("data/prepared"))
+    parser.add_argument("--out", type=Path, default=Path("exports"), help="files go to <out>/<variant>/")
+    parser.add_argument("--metrics", type=Path, default=Path("metrics"), help="<metrics>/<variant>/export.json")
+    parser.add_argument("--max-images", type=int, help="parity on the first N test images (default: all)")
+    args = parser.parse_args(argv)
+    try:
+        result = export_model(args.models / args.variant, args.data, args.out / args.variant,
+                              args.metrics / args.variant / "export.json", args.max_images)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"export[{args.variant}]: {exc}", file=sys.stderr)
+        return 2
+    onnx = result["onnx"]
+    print(f"export[{args.variant}]: {args.out / args.variant}/model.ts + model.onnx (opset {OPSET}); "
+          f"PyTorch top-1 {result['pytorch_top1']:.4f} on {result['images']} test images; TorchScript "
+          f"agrees {result['torchscript']['top1_agreement']:.2%} (max |diff| {result['torchscript']['max_abs_diff']:.2e})"
+          + (f"; ONNX agrees {onnx['top1_agreement']:.2%} (max |diff| {onnx['max_abs_diff']:.2e})" if onnx else "")
+          + f"; checked with {result['onnx_checker']}")
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,8 @@ from cnnpipe.distributed import DistInfo
 from cnnpipe.monitor import GpuUtilSampler
 from cnnpipe.precision import grad_scaler, resolve_amp
 from cnnpipe.diagnosis import Facts, diagnose
-from cnnpipe.profiling import build_setup, profile_variant, timed_steps, trace_window
+from cnnpipe.measure import build_setup, timed_steps, trace_window
+from cnnpipe.profiling import profile_variant
 from cnnpipe.data.prepare import prepare_fashion_mnist
 
 from conftest import tiny_params, write_params

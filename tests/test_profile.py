@@ -17,8 +17,10 @@ from cnnpipe.data.loaders import TrainLoader, ShardSampler
 from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.diagnosis import Facts, diagnose
 from cnnpipe.distributed import DistInfo
-from cnnpipe.profiling import (Trial, build_setup, candidates, compile_trial, confirm_combined, fractions, paired_trial, profile_variant,
-                               timed_steps, trace_window, tuned_settings, tuned_speedup)
+from cnnpipe.decision import confirm_combined, tuned_settings, tuned_speedup
+from cnnpipe.measure import build_setup, fractions, timed_steps, trace_window
+from cnnpipe.profiling import profile_variant, summary
+from cnnpipe.trials import Trial, candidates, compile_trial, paired_trial
 from cnnpipe.tuning import resolve_auto
 from cnnpipe.profile_report import to_markdown, write_report
 
@@ -232,7 +234,7 @@ def test_compile_is_judged_over_the_whole_run(tmp_path, prepared):
 
 
 def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(monkeypatch, tmp_path):
-    import cnnpipe.profiling as prof
+    import cnnpipe.trials as prof
 
     cfg = resolve_auto(config(tmp_path, batch_size=16), torch.device("cpu"))
     speeds = iter([1.10, 1.12, 1.5])  # vs the current batch: x2 pays, x4 adds under 5% over x2
@@ -256,7 +258,7 @@ def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(mo
 
 
 def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(monkeypatch, tmp_path):
-    import cnnpipe.profiling as prof
+    import cnnpipe.trials as prof
 
     measured = []
 
@@ -290,7 +292,7 @@ def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(mon
               "bottleneck": "compute", "recommendations": [], "trials": [], "combined_trial": None, "tuned": {},
               "batch_size": 256, "smaller_batches": entries}
     assert ("batch 64 (for train.min_steps): 0.80x the speed of batch 256; channels_last=False there (1.10x)"
-            in prof.summary(result))
+            in summary(result))
 
 
 def test_training_takes_the_values_tuned_at_its_batch(tmp_path):
@@ -313,7 +315,7 @@ def test_training_takes_the_values_tuned_at_its_batch(tmp_path):
 def test_paired_trial_win_rule(monkeypatch, candidate_times, rounds_run, win):
     import types
 
-    import cnnpipe.profiling as prof
+    import cnnpipe.trials as prof
 
     current, candidate = types.SimpleNamespace(images_per_step=100), types.SimpleNamespace(images_per_step=100)
     calls = {"current": 0, "candidate": 0}

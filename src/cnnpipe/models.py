@@ -94,6 +94,10 @@ def _hub_file(model_name: str) -> tuple[str, str] | None:
     return None
 
 
+_SAID_RANDOM: set[str] = set()
+"""Model names whose random-init warning this process already logged."""
+
+
 def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[torch.nn.Module, InitInfo]:
     """Build `cfg.name` for our classes; load pretrained weights per `cfg.pretrained`."""
     kwargs = dict(num_classes=num_classes, in_chans=in_chans)
@@ -142,7 +146,9 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
         )
     warnings.warn(f"model.pretrained=auto: NO pretrained weights for {cfg.name!r} ({reason}); "
                   "training from RANDOM initialisation", stacklevel=2)
-    log.warning("training %s from random init (%s)", cfg.name, reason)
+    if cfg.name not in _SAID_RANDOM:  # the profile builds a model per trial: say it once per process
+        _SAID_RANDOM.add(cfg.name)
+        log.warning("training %s from random init (%s)", cfg.name, reason)
     return timm.create_model(cfg.name, pretrained=False, **kwargs), InitInfo("random", None, None)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from pathlib import Path
 from typing import Any, Sequence
 
 from .config import VariantConfig

@@ -7,7 +7,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +23,7 @@ from . import checkpoint as ckpt
 from .budget import fit_batch_to_steps
 from .config import VariantConfig
 from .data.loaders import AugmentConfig, FastTransform, TrainLoader, build_eval_loader, build_train_loader
-from .data.store import PreparedSplit, open_split, read_index
+from .data.store import PreparedSplit, open_split
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, unwrap
 from .engine import StepContext, evaluate_top1, train_one_epoch
 from .files import write_json
@@ -31,7 +31,7 @@ from .hardware import cpu_report, usable_cores
 from .models import InitInfo, create_model, model_mean_std
 from .monitor import GpuUtilSampler, peak_mem_mb
 from .precision import grad_scaler, resolve_amp
-from .schedule import lr_at, scaled_lr, warmup_steps
+from .schedule import LrSchedule
 from .tuning import resolve_auto
 
 
@@ -63,12 +63,12 @@ def build_model(cfg: VariantConfig, num_classes: int, channels: int, device: tor
     return model, init
 
 
-def build_optimizer(model: torch.nn.Module, cfg: VariantConfig) -> torch.optim.Optimizer:
-    """timm's optimizer factory: no weight decay on norms and biases."""
+def build_optimizer(model: torch.nn.Module, cfg: VariantConfig, lr: float) -> torch.optim.Optimizer:
+    """timm's optimizer factory at the schedule's first LR: no weight decay on norms and biases."""
     t = cfg.train
     name = "adamw" if t.optimizer == "adamw" else ("sgd" if t.nesterov else "momentum")
     kwargs = {"momentum": t.momentum} if t.optimizer == "sgd" else {}
-    return create_optimizer_v2(model, opt=name, lr=t.lr, weight_decay=t.weight_decay, **kwargs)
+    return create_optimizer_v2(model, opt=name, lr=lr, weight_decay=t.weight_decay, **kwargs)
 
 
 @dataclass
@@ -85,22 +85,30 @@ class TrainingParts:
     scaler: torch.amp.GradScaler | None
     aug: AugmentConfig
     loader: TrainLoader
+    global_batch: int
+    steps_per_epoch: int
+    schedule: LrSchedule
 
 
-def build_training(cfg: VariantConfig, info: DistInfo, prepared_dir: Path) -> TrainingParts:
-    """Model, optimizer, scaler and this rank's training loader for a resolved config."""
+def build_training(cfg: VariantConfig, info: DistInfo, split: PreparedSplit) -> TrainingParts:
+    """Model, LR schedule, optimizer, scaler and this rank's training loader for a resolved config."""
     t = cfg.train
-    split = open_split(prepared_dir, "train")
     model, init = build_model(cfg, split.num_classes, split.channels, info.device)
     mean, std = model_mean_std(model, split.channels)
     amp = resolve_amp(t.amp, info.device)
-    optimizer = build_optimizer(model, cfg)
     aug = AugmentConfig(cfg.data.image_size, scale=(t.crop_scale_min, 1.0), hflip=t.hflip)
     loader = build_train_loader(
         split, kind=t.loader, batch_size=t.batch_size, aug=aug, mean=mean, std=std, seed=cfg.seed,
         rank=info.rank, world_size=info.world_size, num_workers=t.num_workers, pin_memory=t.pin_memory,
         channels_last=t.channels_last, images_per_epoch=t.images_per_epoch)
-    return TrainingParts(split, model, init, mean, std, amp, optimizer, grad_scaler(amp, info.device), aug, loader)
+    if len(loader) < t.accum_steps:
+        raise ValueError(f"train.accum_steps={t.accum_steps} exceeds the {len(loader)} batches per epoch")
+    global_batch = t.batch_size * info.world_size * t.accum_steps
+    steps_per_epoch = len(loader) // t.accum_steps
+    schedule = LrSchedule.for_run(t, len(split), global_batch, steps_per_epoch * t.epochs)
+    optimizer = build_optimizer(model, cfg, schedule(0))
+    return TrainingParts(split, model, init, mean, std, amp, optimizer, grad_scaler(amp, info.device), aug, loader,
+                         global_batch, steps_per_epoch, schedule)
 
 
 def step_context(cfg: VariantConfig, parts: TrainingParts, info: DistInfo, lr_for_step: Callable[[int], float],
@@ -151,6 +159,69 @@ class _Live:
             self.live.end()
 
 
+@dataclass
+class _Progress:
+    """Where a run stands: what a resume restores and every epoch extends."""
+
+    start_epoch: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best_top1: float = -1.0
+    resumed_from: int | None = None
+
+
+def _resume(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, ema: torch.nn.Module | None,
+            last_path: Path, fingerprint: str) -> _Progress:
+    """Restore an unfinished run from `last_path` (made under the same params and data) into `parts`."""
+    if not last_path.exists():
+        return _Progress()
+    state = ckpt.load(last_path)
+    note = f"train[{cfg.variant}]: "
+    if state.get("fingerprint") != fingerprint:
+        if info.is_primary:
+            print(f"{note}NOT resuming {last_path}: it was made under different params or data "
+                  f"({state.get('fingerprint')} != {fingerprint}); starting from scratch", file=sys.stderr)
+        return _Progress()
+    if state["epoch"] >= cfg.train.epochs:
+        # A finished run that DVC asks to run again: an input (code, data, -f) changed. Only an
+        # unfinished run is resumed; a finished one is never silently reused.
+        if info.is_primary:
+            print(f"{note}{last_path} is a finished run; training again from scratch", file=sys.stderr)
+        return _Progress()
+    parts.model.load_state_dict(state["model"])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    if parts.scaler is not None and state.get("scaler"):
+        parts.scaler.load_state_dict(state["scaler"])
+    if ema is not None and state.get("ema"):
+        ema.load_state_dict(state["ema"])
+    ckpt.set_rng_state(state["rng"][info.rank] if info.rank < len(state["rng"]) else state["rng"][0])
+    if state.get("augment_rng") and hasattr(parts.loader.device_transform, "load_state"):
+        parts.loader.device_transform.load_state(state["augment_rng"])
+    parts.init = type(parts.init)(**state["init"])
+    if info.is_primary:
+        print(f"{note}resuming from {last_path} after epoch {state['epoch']}/{cfg.train.epochs}")
+    return _Progress(state["epoch"], state["history"], state.get("best_top1", -1.0), state["epoch"])
+
+
+def _save_checkpoints(cfg: VariantConfig, parts: TrainingParts, model: torch.nn.Module, ema: torch.nn.Module | None,
+                      progress: _Progress, fingerprint: str, epoch: int, improved: bool, model_dir: Path) -> None:
+    """last.pt every `train.checkpoint_every` epochs and at the end; best.pt when validation improved."""
+    state = {
+        "fingerprint": fingerprint, "epoch": epoch + 1, "history": progress.history,
+        "best_top1": progress.best_top1, "model": unwrap(model).state_dict(),
+        "optimizer": parts.optimizer.state_dict(),
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        "ema": ema.state_dict() if ema is not None else None,
+        "rng": [ckpt.rng_state()],
+        "augment_rng": getattr(parts.loader.device_transform, "state", dict)(),
+        "init": parts.init.to_dict(), "meta": _model_meta(cfg, parts.split, parts.mean, parts.std, parts.amp),
+    }
+    if (epoch + 1) % cfg.train.checkpoint_every == 0 or epoch + 1 == cfg.train.epochs:
+        ckpt.save_atomic(state, model_dir / "last.pt")
+    if improved:
+        ckpt.save_atomic({k: state[k] for k in ("model", "ema", "meta", "init", "epoch", "fingerprint")},
+                         model_dir / "best.pt")
+
+
 def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, metrics_path: Path,
         live_dir: Path, tuned: dict[str, Any] | None = None,
         epoch_hook: Callable[[torch.nn.Module], dict[str, float]] | None = None) -> dict[str, Any] | None:
@@ -161,8 +232,9 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     what it returns joins that epoch's record.
     """
     t_start = time.perf_counter()
+    train_split = open_split(prepared_dir, "train")
     requested_batch = cfg.train.batch_size
-    cfg = fit_batch_to_steps(cfg, read_index(prepared_dir)["splits"]["train"]["count"], info.world_size)
+    cfg = fit_batch_to_steps(cfg, len(train_split), info.world_size)
     cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
     batch_note = _batch_note(cfg, requested_batch)
     seed_everything(cfg.seed, info.rank)
@@ -171,106 +243,44 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     if t.sync_bn and info.distributed and info.device.type != "cuda":
         raise ValueError("train.sync_bn=true needs CUDA: PyTorch's SyncBatchNorm runs on GPUs only; "
                          "set train.sync_bn: false for CPU training")
-    device = info.device
-    parts = build_training(cfg, info, prepared_dir)
-    train_split, model, init, mean, std = parts.split, parts.model, parts.init, parts.mean, parts.std
-    amp, optimizer, scaler, aug, train_loader = parts.amp, parts.optimizer, parts.scaler, parts.aug, parts.loader
-    ema = ModelEmaV3(model, decay=t.ema_decay) if t.ema_decay else None
-    val_split = open_split(prepared_dir, "val")
-    val_loader = build_eval_loader(val_split, batch_size=max(t.batch_size, 256), rank=info.rank,
-                                   world_size=info.world_size)
-    val_transform = FastTransform(aug, mean, std, train=False, channels_last=t.channels_last, seed=cfg.seed)
-
-    global_batch = t.batch_size * info.world_size * t.accum_steps
-    peak_lr = scaled_lr(t.lr, global_batch)
-    if len(train_loader) < t.accum_steps:
-        raise ValueError(f"train.accum_steps={t.accum_steps} exceeds the {len(train_loader)} batches per epoch")
-    steps_per_epoch = len(train_loader) // t.accum_steps
-    total_steps = steps_per_epoch * t.epochs
-    warmup = warmup_steps(t.warmup_epochs, len(train_split), global_batch, total_steps) if t.schedule == "cosine" else 0
-
-    def lr_for_step(step: int) -> float:
-        return lr_at(step, total_steps=total_steps, peak_lr=peak_lr, warmup_steps=warmup,
-                     kind=t.schedule, min_lr_ratio=t.min_lr_ratio)
-
-    # ---- resume
-    fp = ckpt.fingerprint(cfg, ckpt.data_fingerprint(prepared_dir))
-    last_path, best_path = model_dir / "last.pt", model_dir / "best.pt"
-    start_epoch, history, best_top1, resumed_from = 0, [], -1.0, None
-    if last_path.exists():
-        state = ckpt.load(last_path)
-        if state.get("fingerprint") != fp:
-            if info.is_primary:
-                print(f"train[{cfg.variant}]: NOT resuming {last_path}: it was made under different params or "
-                      f"data ({state.get('fingerprint')} != {fp}); starting from scratch", file=sys.stderr)
-        elif state["epoch"] >= t.epochs:
-            # A finished run that DVC asks to run again: an input (code, data, -f) changed. Only an
-            # unfinished run is resumed; a finished one is never silently reused.
-            if info.is_primary:
-                print(f"train[{cfg.variant}]: {last_path} is a finished run; training again from scratch",
-                      file=sys.stderr)
-        else:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            if scaler is not None and state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
-            if ema is not None and state.get("ema"):
-                ema.load_state_dict(state["ema"])
-            ckpt.set_rng_state(state["rng"][info.rank] if info.rank < len(state["rng"]) else state["rng"][0])
-            if state.get("augment_rng") and hasattr(train_loader.device_transform, "load_state"):
-                train_loader.device_transform.load_state(state["augment_rng"])
-            start_epoch, history = state["epoch"], state["history"]
-            best_top1 = state.get("best_top1", -1.0)
-            init = type(init)(**state["init"])
-            resumed_from = start_epoch
-            if info.is_primary:
-                print(f"train[{cfg.variant}]: resuming from {last_path} after epoch {start_epoch}/{t.epochs}")
-
-    ctx, model = step_context(cfg, parts, info, lr_for_step, ema)
-    live = _Live(live_dir if info.is_primary else None, resume=resumed_from is not None and resumed_from > 0)
-    gpu = GpuUtilSampler(device)
-
+    parts = build_training(cfg, info, train_split)
+    ema = ModelEmaV3(parts.model, decay=t.ema_decay) if t.ema_decay else None
+    val_loader = build_eval_loader(open_split(prepared_dir, "val"), batch_size=max(t.batch_size, 256),
+                                   rank=info.rank, world_size=info.world_size)
+    val_transform = FastTransform(parts.aug, parts.mean, parts.std, train=False, channels_last=t.channels_last,
+                                  seed=cfg.seed)
+    fingerprint = ckpt.fingerprint(cfg, ckpt.data_fingerprint(prepared_dir))
+    progress = _resume(cfg, info, parts, ema, model_dir / "last.pt", fingerprint)
+    ctx, model = step_context(cfg, parts, info, parts.schedule, ema)
+    live = _Live(live_dir if info.is_primary else None, resume=bool(progress.resumed_from))
+    gpu = GpuUtilSampler(info.device)
     if info.is_primary:
-        print(f"train[{cfg.variant}]: {cfg.model.name} init={init.source} device={device} x{info.world_size} "
-              f"amp={amp} channels_last={t.channels_last} compile={t.compile} loader={t.loader} "
-              f"batch={global_batch}{f' ({batch_note})' if batch_note else ''} peak_lr={peak_lr:.4g} "
-              f"images/epoch={train_loader.sampler.n} "
-              f"steps/epoch={steps_per_epoch} threads={threads}",
-              flush=True)
-    for epoch in range(start_epoch, t.epochs):
-        train_loader.set_epoch(epoch)
+        print(f"train[{cfg.variant}]: {cfg.model.name} init={parts.init.source} device={info.device} "
+              f"x{info.world_size} amp={parts.amp} channels_last={t.channels_last} compile={t.compile} "
+              f"loader={t.loader} batch={parts.global_batch}{f' ({batch_note})' if batch_note else ''} "
+              f"peak_lr={parts.schedule.peak_lr:.4g} images/epoch={parts.loader.sampler.n} "
+              f"steps/epoch={parts.steps_per_epoch} threads={threads}", flush=True)
+    for epoch in range(progress.start_epoch, t.epochs):
+        parts.loader.set_epoch(epoch)
         # A live bar with ETA on rank 0 in a terminal; plain per-epoch lines otherwise (CI, logs).
-        batches = tqdm(train_loader, total=len(train_loader), desc=f"{cfg.variant} epoch {epoch + 1}/{t.epochs}",
+        batches = tqdm(parts.loader, total=len(parts.loader), desc=f"{cfg.variant} epoch {epoch + 1}/{t.epochs}",
                        unit="step", leave=False, disable=None if info.is_primary else True)
-        stats = train_one_epoch(ctx, batches, train_loader.device_transform, epoch * steps_per_epoch)
-        val = evaluate_top1(unwrap(model), val_loader, val_transform, info, amp)
+        stats = train_one_epoch(ctx, batches, parts.loader.device_transform, epoch * parts.steps_per_epoch)
+        val = evaluate_top1(unwrap(model), val_loader, val_transform, info, parts.amp)
         record = _epoch_record(epoch, stats, val, info)
         if ema is not None:
-            record["val_top1_ema"] = evaluate_top1(ema.module, val_loader, val_transform, info, amp)["top1"]
+            record["val_top1_ema"] = evaluate_top1(ema.module, val_loader, val_transform, info, parts.amp)["top1"]
         if epoch_hook is not None:
             record.update(epoch_hook(unwrap(model)))
-        history.append(record)
-        improved = record["val_top1"] > best_top1
-        best_top1 = max(best_top1, record["val_top1"])
+        progress.history.append(record)
+        improved = record["val_top1"] > progress.best_top1
+        progress.best_top1 = max(progress.best_top1, record["val_top1"])
         if info.is_primary:
             live.log(epoch, {"train/loss": record["train_loss"], "val/top1": record["val_top1"],
                              "val/loss": record["val_loss"], "lr": record["lr"],
                              "epoch_time_s": record["epoch_time_s"], "throughput_img_s": record["throughput_img_s"],
                              "data_wait_frac": record["data_wait_frac"]})
-            state = {
-                "fingerprint": fp, "epoch": epoch + 1, "history": history, "best_top1": best_top1,
-                "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "ema": ema.state_dict() if ema is not None else None,
-                "rng": [ckpt.rng_state()],
-                "augment_rng": getattr(train_loader.device_transform, "state", dict)(),
-                "init": init.to_dict(), "meta": _model_meta(cfg, train_split, mean, std, amp),
-            }
-            if (epoch + 1) % t.checkpoint_every == 0 or epoch + 1 == t.epochs:
-                ckpt.save_atomic(state, last_path)
-            if improved:
-                ckpt.save_atomic({k: state[k] for k in ("model", "ema", "meta", "init", "epoch", "fingerprint")},
-                                 best_path)
+            _save_checkpoints(cfg, parts, model, ema, progress, fingerprint, epoch, improved, model_dir)
             print(f"train[{cfg.variant}] epoch {epoch + 1}/{t.epochs} loss={record['train_loss']:.4f} "
                   f"val_top1={record['val_top1']:.4f} time={record['epoch_time_s']:.1f}s "
                   f"{record['throughput_img_s']:.0f} img/s data_wait={record['data_wait_frac']:.1%}", flush=True)
@@ -278,9 +288,9 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     live.end()
     if not info.is_primary:
         return None
-    summary = _summary(cfg, history, init, info, amp, global_batch, peak_lr, threads, resumed_from, gpu_util,
-                       time.perf_counter() - t_start)
-    summary.update(optimizer_steps=total_steps, batch_note=batch_note)
+    summary = _summary(cfg, progress.history, parts.init, info, parts.amp, parts.global_batch,
+                       parts.schedule.peak_lr, threads, progress.resumed_from, gpu_util, time.perf_counter() - t_start)
+    summary.update(optimizer_steps=parts.schedule.total_steps, batch_note=batch_note)
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())
     return summary

@@ -1,0 +1,61 @@
+"""From measured trials to tuned values: the winners, checked together, and what they buy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .config import VariantConfig
+from .distributed import DistInfo
+from .measure import Setup, build_setup
+from .trials import Trial, paired_trial
+from .tuning import auto_knobs
+
+def tuned_settings(requested: VariantConfig, current: VariantConfig, results: list[Trial]) -> dict[str, Any]:
+    """A value for each knob `requested` leaves at `auto`: the best winning trial's, else the default."""
+    tuned = {knob: getattr(current.train, knob) for knob in auto_knobs(requested)}
+    for knob in tuned:
+        wins = [t for t in results if t.knob == knob and t.win]
+        if wins:
+            tuned[knob] = max(wins, key=lambda t: t.speedup).change[knob]
+    return tuned
+
+
+def confirm_combined(requested: VariantConfig, current: VariantConfig, info: DistInfo, prepared_dir: Path,
+                     base: Setup, results: list[Trial], tuned: dict[str, Any]) -> tuple[dict[str, Any], Trial | None]:
+    """Knobs that each won alone are measured together; when the mix does not win, only the best
+    single change is kept (so the recipe never ships an unmeasured combination)."""
+    changed = {k: v for k, v in tuned.items() if v != getattr(current.train, k)}
+    if len(changed) < 2:
+        return tuned, None
+    p = current.profile
+    candidate = build_setup(current.with_train(**changed), info, prepared_dir)
+    combined = paired_trial("combined", changed, base, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+    if combined.win:
+        return tuned, combined
+    best = max((t for t in results if t.win and t.knob in changed), key=lambda t: t.speedup)
+    combined.note = f"the mix did not win; kept only {best.knob}={best.change[best.knob]}"
+    kept = {k: (best.change[k] if k == best.knob else getattr(current.train, k)) for k in tuned}
+    return kept, combined
+
+
+def tuned_speedup(current: VariantConfig, tuned: dict[str, Any], results: list[Trial],
+                  combined: Trial | None) -> float:
+    """Measured speed-up of the tuned values over the profiled (current) ones; 1.0 when unchanged.
+
+    The plan multiplies the profiled throughput by this to predict the recipe training will run.
+    """
+    changed = {k: v for k, v in tuned.items() if v != getattr(current.train, k)}
+    if not changed:
+        return 1.0
+    if combined is not None and combined.win and combined.change == changed:
+        return combined.speedup
+    single = [t for t in results if t.win and t.change == changed]
+    return max(t.speedup for t in single) if single else 1.0
+
+
+def _best_batch(results: list[Trial]) -> Trial | None:
+    """The largest batch whose doubling still won, else the first (losing) doubling, else None."""
+    batch = [r for r in results if r.knob == "batch_size" and r.speedup]
+    wins = [r for r in batch if r.win]
+    return wins[-1] if wins else (batch[0] if batch else None)

@@ -1,0 +1,195 @@
+"""Timing a training setup: region timers, timed steps, and the torch.profiler trace.
+
+Figures come from an un-profiled timed run (region timers only, synchronised on CUDA) so that the
+profiler's own overhead stays out of them; the `torch.profiler` window exists to produce the trace
+for TensorBoard/Perfetto (and to count host syncs). Every step here is the engine's own
+`micro_step`, so what is measured is what trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
+
+from .config import VariantConfig
+from .data.loaders import TrainLoader
+from .data.store import open_split
+from .distributed import DistInfo
+from .engine import StepContext, micro_step, no_region
+from .kernels import busy_fraction, tensor_core_share
+from .profile_format import REGIONS
+from .trainer import build_training, step_context
+from .tuning import resolve_auto
+
+SYNC_EVENTS = {
+    # every `.item()`, `.tolist()` or `if tensor:` reads a scalar back to Python through this op
+    "cpu": ("aten::_local_scalar_dense",),
+    # on CUDA only the runtime's blocking calls are syncs (a scalar read of a CPU tensor is not)
+    "cuda": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+}
+
+
+class RegionTimer:
+    """Accumulates wall time per named region; each region is also a profiler label."""
+
+    def __init__(self, device: torch.device, sync: bool = True) -> None:
+        self.device = device
+        self.sync = sync  # False: labels only (the trace), so the device keeps its real overlap
+        self.totals: dict[str, float] = {r: 0.0 for r in REGIONS}
+        self.enabled = True
+
+    @contextlib.contextmanager
+    def region(self, name: str) -> Iterator[None]:
+        with record_function(name):
+            if self.sync:
+                _sync(self.device)  # attribute GPU work to the region that queued it
+            t0 = time.perf_counter()
+            yield
+            if self.sync:
+                _sync(self.device)
+            if self.enabled:
+                self.totals[name] += time.perf_counter() - t0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _memory_frac(device: torch.device) -> float | None:
+    """Peak allocated memory as a fraction of the GPU's; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / torch.cuda.get_device_properties(device).total_memory
+
+
+@dataclass
+class Setup:
+    """A ready-to-step training configuration (engine context and loader) for one variant."""
+
+    cfg: VariantConfig
+    ctx: StepContext
+    loader: TrainLoader
+    images_per_step: int
+    steps_per_epoch: int
+    step: int = 0
+    _iter: Iterator | None = None
+    _epoch: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    def next_batch(self):
+        if self._iter is None:
+            self._iter = iter(self.loader)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self._epoch += 1
+            self.loader.set_epoch(self._epoch)
+            self._iter = iter(self.loader)
+            return next(self._iter)
+
+
+def build_setup(cfg: VariantConfig, info: DistInfo, prepared_dir: Path) -> Setup:
+    """Model, optimizer, LR schedule and loader built by the same code as `fit`: what is timed is what trains."""
+    cfg = resolve_auto(cfg, info.device)
+    torch.manual_seed(cfg.seed)
+    parts = build_training(cfg, info, open_split(prepared_dir, "train"))
+    ctx, _ = step_context(cfg, parts, info, parts.schedule)
+    ctx.model.train()
+    return Setup(cfg, ctx, parts.loader, parts.global_batch, parts.steps_per_epoch)
+
+
+def train_step(s: Setup, timer: RegionTimer | None = None) -> None:
+    """One optimizer step (all its micro-batches), each phase in its own region when `timer` is given."""
+    region = timer.region if timer is not None else no_region
+    accum = s.cfg.train.accum_steps
+    for micro in range(accum):
+        with region("data_wait"):
+            images, labels = s.next_batch()
+        micro_step(s.ctx, images, labels, s.loader.device_transform, s.step, micro == 0, micro == accum - 1, region)
+    s.step += 1
+
+
+def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[str, float], float]:
+    """(step times, region totals, CPU utilisation) over `steps` steps after `warmup`."""
+    timer = RegionTimer(s.device)
+    timer.enabled = False
+    for _ in range(warmup):
+        train_step(s, timer)
+    timer.enabled = True
+    times = []
+    cpu0, wall0 = _cpu_seconds(), time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        train_step(s, timer)
+        times.append(time.perf_counter() - t0)
+    cpu_util = (_cpu_seconds() - cpu0) / (time.perf_counter() - wall0) / max(1, torch.get_num_threads())
+    return times, timer.totals, cpu_util
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def trace_window(s: Setup, trace_dir: Path, worker: str) -> dict[str, float | None]:
+    """Run the torch.profiler schedule (wait, warmup, active) and write one TensorBoard trace.
+
+    Returns what only the trace can tell: host syncs per step (on the CPU: scalar reads to Python,
+    which cost about a microsecond there) and, on CUDA, the GPU busy fraction
+    and the Tensor Core share of matrix-kernel time (both taken over the active steps, under the
+    profiler, so the busy fraction is a slight underestimate).
+    """
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    for stale in trace_dir.glob("*.pt.trace.json*"):
+        stale.unlink()  # one trace per worker: no stray files from earlier runs
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device.type == "cuda" else [])
+    if s.device.type == "cpu":
+        # A CUDA build of torch on a machine without a GPU makes kineto log an ERROR line (its GPU
+        # probe) and trace markers on every start; on a CPU-only trace nothing it logs is ours to act on.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    p = s.cfg.profile
+    timer = RegionTimer(s.device, sync=False)  # the trace shows the real overlap; syncs would be counted
+    with profile(activities=activities, schedule=schedule(wait=p.wait, warmup=p.warmup, active=p.active, repeat=1),
+                 on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=worker),
+                 record_shapes=True, profile_memory=True) as prof:
+        for i in range(p.wait + p.warmup + p.active):
+            if i == p.wait + p.warmup:
+                _sync(s.device)
+                t_active = time.perf_counter()
+            train_step(s, timer)
+            prof.step()
+        _sync(s.device)
+        wall_us = (time.perf_counter() - t_active) * 1e6
+    events = prof.key_averages()
+    kernels = [(e.key, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA]
+    sync_events = SYNC_EVENTS["cuda" if s.device.type == "cuda" else "cpu"]
+    return {"host_syncs_per_step": sum(e.count for e in events if e.key in sync_events) / p.active,
+            "gpu_busy_frac": busy_fraction(kernels, wall_us) if s.device.type == "cuda" else None,
+            "tensor_core_frac": tensor_core_share(kernels) if s.device.type == "cuda" else None}
+
+
+def fractions(totals: dict[str, float]) -> dict[str, float]:
+    """Region totals → fractions of their sum (so they add up to 1)."""
+    total = sum(totals.values()) or 1.0
+    return {k: v / total for k, v in totals.items()}
+
+
+def _iqr(values: list[float]) -> float:
+    if len(values) < 4:
+        return max(values) - min(values)
+    q = statistics.quantiles(values, n=4)
+    return q[2] - q[0]

@@ -1,0 +1,236 @@
+"""Measured A/B trials: each candidate setting against the current one, interleaved in one run."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import VariantConfig
+from .diagnosis import MEMORY_FRAC
+from .distributed import DistInfo
+from .measure import Setup, _memory_frac, _sync, build_setup, train_step
+from .schedule import MIN_BATCH
+from .tuning import auto_knobs
+
+@dataclass
+class Trial:
+    """One candidate setting measured against the current one, interleaved in the same run."""
+
+    knob: str
+    change: dict[str, Any]
+    speedup: float = 0.0
+    """Median over rounds of candidate/current throughput."""
+    speedup_range: tuple[float, float] = (0.0, 0.0)
+    before_img_s: float = 0.0
+    after_img_s: float = 0.0
+    win: bool = False
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"knob": self.knob, "change": self.change, "speedup": self.speedup,
+                "speedup_range": list(self.speedup_range), "before_img_s": self.before_img_s,
+                "after_img_s": self.after_img_s, "win": self.win, "note": self.note}
+
+
+CLEAR_LOSS = 0.5
+"""A candidate below this speed ratio in a round is a clear loser: its trial stops at once."""
+
+
+def _block(s: Setup, steps: int) -> list[float]:
+    """`steps` timed steps after one untimed step that re-warms caches and the loader after a switch."""
+    train_step(s)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        train_step(s)
+        _sync(s.device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def paired_trial(knob: str, change: dict[str, Any], current: Setup, candidate: Setup, rounds: int, steps: int,
+                 min_gain: float) -> Trial:
+    """Interleave blocks of `current` and `candidate` (ABBA order, so drift hits both alike).
+
+    This VM's speed drifts by tens of percent over minutes; a ratio per round of neighbouring
+    blocks cancels that, and a win must beat `min_gain` at the median and hold in every round.
+    A candidate slower in any of the first two rounds can no longer win, so it stops there; one
+    under half the speed stops after the first round (no drift explains a 2x gap, and on a CPU
+    without native bf16 a bf16 step is ~10x slower: a second round would cost minutes).
+    """
+    ratios, before, after = [], [], []
+    for r in range(rounds):
+        pair = (current, candidate) if r % 2 == 0 else (candidate, current)
+        times = {id(s): _block(s, steps) for s in pair}
+        a, b = statistics.median(times[id(current)]), statistics.median(times[id(candidate)])
+        before.append(current.images_per_step / a)
+        after.append(candidate.images_per_step / b)
+        ratios.append(after[-1] / before[-1])
+        clear_loss = len(ratios) == 1 and ratios[0] < CLEAR_LOSS  # later rounds: the rule below covers it
+        if clear_loss or (len(ratios) >= 2 and min(ratios) <= 1.0):
+            break
+    speedup = statistics.median(ratios)
+    note = ""
+    if len(ratios) < rounds:
+        note = (f"stopped after 1 round: under {CLEAR_LOSS:.0%} of the speed" if len(ratios) == 1
+                else f"stopped after {len(ratios)} rounds: slower in one")
+    return Trial(knob, change, speedup, (min(ratios), max(ratios)), statistics.median(before),
+                 statistics.median(after), win=speedup >= 1 + min_gain and min(ratios) > 1.0, note=note)
+
+
+def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.device,
+               recommended: set[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(knob, change) pairs to measure: every `auto` knob, plus the knobs the diagnosis points at.
+
+    amp, channels_last and the loader are always measured (cheap, and the report shows each one's
+    gain over its hand setting); workers, pin_memory and compile only when asked for.
+    """
+    t, auto = cfg.train, set(auto_knobs(requested))
+    out: list[tuple[str, dict[str, Any]]] = []
+    amps = ["off", "bf16"] + (["fp16"] if device.type == "cuda" else [])
+    out += [("amp", {"amp": a}) for a in amps if a != t.amp]
+    out.append(("channels_last", {"channels_last": not t.channels_last}))
+    out.append(("loader", {"loader": "fast" if t.loader == "baseline" else "baseline"}))
+    if "num_workers" in auto or recommended & {"num_workers", "loader"}:  # workers also hide a slow loader
+        cores = len(os.sched_getaffinity(0))
+        options = sorted({n for n in (1, 2, 4, 8, cores) if n <= cores} | {0})
+        out += [("num_workers", {"num_workers": n}) for n in options if n != t.num_workers]
+    if device.type == "cuda" and ("pin_memory" in auto or "num_workers" in recommended):
+        out.append(("pin_memory", {"pin_memory": not t.pin_memory}))
+    if "compile" in auto and t.compile == "off":
+        out.append(("compile", {"compile": "default"}))
+    return out
+
+
+def run_trials(cfg: VariantConfig, requested: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
+               recommended: set[str]) -> list[Trial]:
+    """Measure each candidate against `current`, then grow the batch while it pays."""
+    p = cfg.profile
+    results = []
+    for knob, change in candidates(cfg, requested, info.device, recommended):
+        if knob == "compile":
+            results.append(compile_trial(cfg, info, prepared_dir, current))
+            continue
+        candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
+        results.append(paired_trial(knob, change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain))
+        del candidate
+    results += batch_trials(cfg, info, prepared_dir, current)
+    return results
+
+
+def batch_trials(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
+                 max_doublings: int = 2) -> list[Trial]:
+    """Double the batch while each doubling adds `min_gain`, memory stays under the memory rule's
+    threshold and nothing OOMs."""
+    p, results, previous = cfg.profile, [], None
+    for k in range(1, max_doublings + 1):
+        change = {"batch_size": cfg.train.batch_size * 2 ** k}
+        if info.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(info.device)  # the peak below is this candidate's
+        try:
+            candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
+            trial = paired_trial("batch_size", change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+            del candidate
+        except torch.OutOfMemoryError:
+            results.append(Trial("batch_size", change, note="out of memory"))
+            break
+        finally:
+            if info.device.type == "cuda":
+                torch.cuda.empty_cache()
+        used = _memory_frac(info.device)
+        if used is not None and used > MEMORY_FRAC:
+            trial.win, trial.note = False, f"peak memory {used:.0%} of the device"
+        if previous is not None and trial.win and trial.speedup < previous.speedup * (1 + p.min_gain):
+            trial.win = False
+            trial.note = f"under {p.min_gain:.0%} more than batch {previous.change['batch_size']}"
+        results.append(trial)
+        if not trial.win:
+            break
+        previous = trial
+    return results
+
+
+BATCH_SENSITIVE = ("channels_last",)
+"""Knobs re-measured at each smaller batch: oneDNN's NHWC convolutions win at batch 256 and lose
+at 64 in fp32 on a one-core CPU (0.94x and 1.09x for NCHW, measured), so a layout tuned at the
+profiled batch can be the wrong one for a short run's batch."""
+
+
+def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: DistInfo, prepared_dir: Path,
+                         current: Setup, tuned: dict[str, Any], tuned_gain: float) -> list[dict[str, Any]]:
+    """Speed of each batch `train.min_steps` may halve to, and the batch-sensitive `auto` knobs
+    re-tuned there.
+
+    The batch itself is never tuned for speed (it changes the optimisation); the plan multiplies
+    the recipe's speed by `speed_vs_tuned`, and training takes `at_batch` values at that batch.
+    """
+    if cfg.train.min_steps is None:
+        return []
+    p, out, batch = cfg.profile, [], cfg.train.batch_size // 2
+    recipe = cfg.with_train(**tuned)
+    retune = [k for k in BATCH_SENSITIVE if k in auto_knobs(requested)]
+    while batch >= MIN_BATCH:
+        at_batch = build_setup(recipe.with_train(batch_size=batch), info, prepared_dir)
+        trial = paired_trial("smaller_batch", {"batch_size": batch}, current, at_batch, p.trial_rounds,
+                             p.trial_steps, p.min_gain)
+        trial.win = False  # measured for the plan, never tuned: the batch changes the optimisation
+        entry, gain = trial.to_dict(), 1.0
+        entry["at_batch"], entry["knob_trials"] = {}, []
+        for knob in retune:
+            flip = {knob: not getattr(recipe.train, knob), "batch_size": batch}
+            other = build_setup(recipe.with_train(**flip), info, prepared_dir)
+            knob_trial = paired_trial(knob, flip, at_batch, other, p.trial_rounds, p.trial_steps, p.min_gain)
+            entry["knob_trials"].append(knob_trial.to_dict())
+            if knob_trial.win:
+                entry["at_batch"][knob], gain = flip[knob], gain * knob_trial.speedup
+            del other
+        entry["speed_vs_tuned"] = trial.speedup * gain / tuned_gain
+        out.append(entry)
+        del at_batch
+        batch //= 2
+    return out
+
+
+def compile_trial(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup) -> Trial:
+    """torch.compile, judged over the whole run: the per-step gain must repay the compile time."""
+    p, change = cfg.profile, {"compile": "default"}
+    try:
+        candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
+        t0 = time.perf_counter()
+        train_step(candidate)  # compiles forward and backward
+        _sync(info.device)
+        first_step_s = time.perf_counter() - t0
+        trial = paired_trial("compile", change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+    except Exception as exc:  # inductor needs a C++ compiler (CPU) or Triton (CUDA); report, do not fail
+        return Trial("compile", change, note=f"compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+    step_eager = current.images_per_step / trial.before_img_s
+    step_compiled = candidate.images_per_step / trial.after_img_s
+    compile_s = max(0.0, first_step_s - step_compiled)
+    total_steps = cfg.train.epochs * current.steps_per_epoch
+    run_gain = (step_eager * total_steps) / (step_compiled * total_steps + compile_s)
+    trial.note = (f"compile took {compile_s:.0f} s; {run_gain:.2f}x over the run's {total_steps} steps "
+                  f"(per step {trial.speedup:.2f}x)")
+    trial.win = trial.win and run_gain >= 1 + p.min_gain
+    return trial
+
+
+def recommended_together(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, base: Setup, results: list[Trial],
+                         knobs: list[str]) -> Trial | None:
+    """The recommended knobs applied at once: they interact (bf16 convolutions want NHWC in oneDNN
+    and cuDNN), so the sum of one-at-a-time gains understates what following the advice buys."""
+    together = {}
+    for knob in knobs:
+        measured = [t for t in results if t.knob == knob and t.speedup]
+        if measured and knob not in together:
+            together.update(max(measured, key=lambda t: t.speedup).change)
+    if len(together) < 2:
+        return None
+    p = cfg.profile
+    candidate = build_setup(cfg.with_train(**together), info, prepared_dir)
+    return paired_trial("recommended", together, base, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
