@@ -4,6 +4,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from cnnpipe.budget import read_budget
 from cnnpipe.export import OPSET, export_model
 
 
@@ -14,11 +15,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=Path("data/prepared"))
     parser.add_argument("--out", type=Path, default=Path("exports"), help="files go to <out>/<variant>/")
     parser.add_argument("--metrics", type=Path, default=Path("metrics"), help="<metrics>/<variant>/export.json")
-    parser.add_argument("--max-images", type=int, help="parity on the first N test images (default: all)")
+    parser.add_argument("--budget", type=Path, help="the plan's budget.yaml: its parity_images, when set, caps the check")
+    parser.add_argument("--max-images", type=int, help="parity on a class-balanced N of the test images (default: all)")
     args = parser.parse_args(argv)
     try:
+        caps = [n for n in (args.max_images, read_budget(args.budget).get("parity_images")) if n is not None]
+        limit = min(caps) if caps else None
         result = export_model(args.models / args.variant, args.data, args.out / args.variant,
-                              args.metrics / args.variant / "export.json", args.max_images)
+                              args.metrics / args.variant / "export.json", limit)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"export[{args.variant}]: {exc}", file=sys.stderr)
         return 2

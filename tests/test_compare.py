@@ -125,3 +125,23 @@ def test_the_default_runs_committed_comparison_reads_back(tmp_path):
     assert result["significance"]["test_images"] == opt["eval"]["images"]
     assert f"**{result['significance']['verdict']}**" in md
     assert "Train throughput per epoch" in md
+
+
+def test_every_stage_is_set_beside_its_prediction_with_the_training_share():
+    from cnnpipe.compare import plan_vs_actual
+
+    plan = {"budget_minutes": 20, "images_per_epoch": 3328, "fraction": 1 / 16, "predicted_total_s": 1000.0,
+            "profile_s": {"profile@baseline": 50.0, "profile@optimized": 100.0},
+            "predicted_s": {"train@baseline": 300.0, "train@optimized": 250.0, "evaluate@baseline": 40.0,
+                            "evaluate@optimized": 30.0, "export@baseline": 60.0, "export@optimized": 50.0}}
+
+    def variant(train, evaluate, export):
+        return {"train": {"stage_time_s": train}, "eval": {"stage_time_s": evaluate},
+                "export": {"stage_time_s": export}}
+
+    result = plan_vs_actual(plan, variant(330.0, 36.0, 66.0), variant(225.0, 30.0, None))
+    rows = result["stages"]
+    assert rows["train@baseline"]["ratio"] == pytest.approx(1.1) and rows["export@optimized"]["ratio"] is None
+    assert rows["profile@optimized"] == {"predicted_s": None, "actual_s": 100.0, "ratio": None}
+    assert result["measured_total_s"] == pytest.approx(50 + 100 + 330 + 36 + 66 + 225 + 30)
+    assert result["training_share"] == pytest.approx((330 + 225) / result["measured_total_s"])

@@ -8,7 +8,7 @@ from cnnpipe.config import DataConfig
 from cnnpipe.data.loaders import (AugmentConfig, ShardSampler, build_eval_loader, build_train_loader,
                                   eval_transform, random_resized_crop)
 from cnnpipe.data.prepare import prepare_fashion_mnist
-from cnnpipe.data.store import open_split
+from cnnpipe.data.store import balanced_subset, open_split
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +81,15 @@ def test_batch_larger_than_data_is_a_clear_error(prepared):
     with pytest.raises(ValueError, match="train.batch_size"):
         build_train_loader(split, kind="fast", batch_size=10_000, aug=AugmentConfig(28), mean=(0.5,), std=(0.25,),
                            seed=0)
+
+
+def test_balanced_subset_keeps_class_shares_and_is_fixed(prepared):
+    """The budget's validation/parity subset: class proportions kept, the same items every time."""
+    split = open_split(prepared, "train")
+    subset = balanced_subset(split, 100)
+    assert 95 <= len(subset) <= 105
+    full_share = np.bincount(split.labels, minlength=10) / len(split)
+    assert np.abs(np.bincount(subset.labels, minlength=10) / len(subset) - full_share).max() < 0.02
+    again = balanced_subset(open_split(prepared, "train"), 100)
+    assert np.array_equal(subset.labels, again.labels) and np.array_equal(subset.images, again.images)
+    assert balanced_subset(split, None) is split and balanced_subset(split, 10**6) is split

@@ -66,7 +66,7 @@ def test_repro_produces_every_output_and_metric(project):
     plan = json.loads((project / "metrics" / "plan" / "plan.json").read_text())
     assert plan["fraction"] == 1.0 and plan["fits"]  # the tiny run fits 20 minutes
     assert yaml.safe_load((project / "metrics" / "plan" / "budget.yaml").read_text()) == {
-        "fraction": 1.0, "images_per_epoch": None}
+        "fraction": 1.0, "images_per_epoch": None, "val_images": None, "parity_images": None}
     assert (project / "metrics" / "profile" / "report.md").exists()
     assert yaml.safe_load((project / "metrics" / "profile" / "baseline_tuned.yaml").read_text()) == {}
     tuned = yaml.safe_load((project / "metrics" / "profile" / "optimized_tuned.yaml").read_text())
@@ -94,6 +94,8 @@ def test_repro_produces_every_output_and_metric(project):
     compare_md = (project / "metrics" / "compare.md").read_text()
     assert "| Top-1 (test) |" in compare_md and "(optimized/mistakes.png)" in compare_md
     assert "| train@baseline |" in compare_md and compare["plan"]["stages"]["train@optimized"]["actual_s"] > 0
+    assert "| export@optimized |" in compare_md and 0 < compare["plan"]["training_share"] < 1
+    assert "McNemar" in compare_md and "95% Wilson" in compare_md
     shown = run(["dvc", "metrics", "show", "--json"], project)
     assert "top1" in shown and "speedup_throughput" in shown
 
@@ -265,6 +267,7 @@ def test_a_tight_budget_shrinks_every_variant_alike(project):
     budget = yaml.safe_load((project / "metrics" / "plan" / "budget.yaml").read_text())
     assert plan["fraction"] < 1.0 and not plan["fits"] and "OVER budget" in out
     assert budget["images_per_epoch"] == plan["images_per_epoch"] == 32  # one batch of the largest global batch
+    assert budget["val_images"] == plan["val_images"] and budget["parity_images"] == plan["parity_images"]
     for variant in ("baseline", "optimized"):
         train = json.loads((project / "metrics" / variant / "train.json").read_text())
         assert train["images_per_epoch"] == 32

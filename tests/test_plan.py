@@ -9,7 +9,8 @@ from cnnpipe import hardware
 from cnnpipe.config import ParamsError, run_config, load_params, resolve
 from cnnpipe.data.loaders import ShardSampler
 from cnnpipe.budget import apply_budget
-from cnnpipe.plan import LADDER, Recipe, budget_values, make_plan, predict_total, recipe_from_profile, to_text
+from cnnpipe.plan import (LADDER, PARITY_UNDER_BUDGET, VAL_UNDER_BUDGET, Recipe, budget_values, make_plan, predict_total,
+                          recipe_from_profile, stage_seconds, to_text)
 from cnnpipe.schedule import MIN_BATCH, batch_for_steps, steps_per_run
 
 from conftest import ROOT, tiny_params, write_params
@@ -27,7 +28,8 @@ def recipes(slowdown: float = 1.0) -> list[Recipe]:
 def test_a_run_that_fits_keeps_the_whole_split():
     plan = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=60)
     assert plan["fraction"] == 1.0 and plan["images_per_epoch"] == N_TRAIN and plan["fits"]
-    assert budget_values(plan) == {"fraction": 1.0, "images_per_epoch": None}  # training sees no cap
+    assert budget_values(plan) == {"fraction": 1.0, "images_per_epoch": None, "val_images": None,
+                                   "parity_images": None}  # training sees no cap
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 2.0, 4.0])  # machines of this kind differ by 4x
@@ -62,8 +64,10 @@ def test_the_zen3_profile_fits_the_default_budget():
             Recipe("optimized", 4, 256, 125.3, 506.7, 346.1, batch_size=256, min_steps=300,
                    smaller_batch_speed={128: 0.877, 64: 0.817})]
     plan = make_plan(zen3, N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
-    assert plan["fits"] and plan["fraction"] == 1 / 32 and plan["images_per_epoch"] == 1536
-    assert plan["batch"] == {"baseline": 64, "optimized": 64}  # 96 steps: the floor, not 300
+    # Validation and the export check on 1,000 images each leave room for twice the training images
+    # that the whole-split checks left (1/32 then).
+    assert plan["fits"] and plan["fraction"] == 1 / 16 and plan["images_per_epoch"] == 3328
+    assert plan["batch"] == {"baseline": 64, "optimized": 64}  # 208 steps: the floor, not 300
     assert plan["predicted_total_unbudgeted_s"] > 90 * 60  # issue 9: 102 min without a budget
 
 
@@ -194,3 +198,25 @@ def test_recipe_reads_the_smaller_batch_speeds_from_the_profile(tmp_path):
     params["train"]["min_steps"] = 0
     with pytest.raises(ParamsError, match="train.min_steps"):
         load_params(write_params(tmp_path / "p.yaml", params))
+
+
+def test_a_binding_budget_also_shrinks_validation_and_the_export_check():
+    plan = make_plan(recipes(2.0), N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
+    values = budget_values(plan)
+    assert values["val_images"] == VAL_UNDER_BUDGET and values["parity_images"] == PARITY_UNDER_BUDGET
+    whole = stage_seconds(recipes(2.0)[1], 6_656, N_VAL, N_TEST, N_TEST)
+    cut = stage_seconds(recipes(2.0)[1], 6_656, VAL_UNDER_BUDGET, N_TEST, PARITY_UNDER_BUDGET)
+    assert cut["train@optimized"] < whole["train@optimized"] and cut["export@optimized"] < whole["export@optimized"]
+    assert cut["evaluate@optimized"] == whole["evaluate@optimized"]  # the test split stays whole
+    cfg = resolve(load_params(ROOT / "params.yaml"), "optimized")
+    capped = apply_budget(cfg, values)
+    assert capped.train.val_images == VAL_UNDER_BUDGET and capped.train.images_per_epoch == values["images_per_epoch"]
+    assert apply_budget(cfg.with_train(val_images=500), values).train.val_images == 500  # never raised
+
+
+def test_the_profile_s_measured_inference_speed_is_what_the_plan_uses():
+    cfg = resolve(load_params(ROOT / "params.yaml"), "optimized")
+    profile = {"throughput_img_s": 100.0, "tuned_speedup": 1.2, "fractions": {"forward": 0.3}}
+    assert recipe_from_profile(cfg, profile).eval_img_s == pytest.approx(120.0 / 0.3)  # estimated
+    measured = recipe_from_profile(cfg, {**profile, "inference_img_s": 500.0})
+    assert measured.eval_img_s == pytest.approx(600.0) and measured.train_img_s == pytest.approx(120.0)

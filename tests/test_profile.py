@@ -122,6 +122,7 @@ def test_item_every_step_is_counted_but_is_no_bottleneck_on_the_cpu(tmp_path, pr
 def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepared):
     result = profile_variant(config(tmp_path), DistInfo(), prepared, tmp_path / "logs" / "optimized", True)
     assert sum(result["fractions"].values()) == pytest.approx(1.0)
+    assert result["inference_img_s"] > result["throughput_img_s"]  # no backward, no optimizer
     traces = list((tmp_path / "logs" / "optimized").glob("*.pt.trace.json"))
     assert len(traces) == 1 and traces[0].name.startswith("optimized_rank0")
     events = json.loads(traces[0].read_text())["traceEvents"]
@@ -341,3 +342,45 @@ def test_trials_follow_the_diagnosis(tmp_path):
     assert "num_workers" in knobs({"loader"})  # an input-bound naive loader: workers are the other fix
     assert "pin_memory" not in knobs({"num_workers"})  # no host-to-device copy to speed up on the CPU
     assert knobs({"num_workers"}) >= {"num_workers"}
+
+
+def test_candidates_the_hardware_rules_out_are_not_timed_unless_asked(monkeypatch, tmp_path):
+    """bf16 on a CPU without avx512_bf16/amx_bf16: noted, not measured (minutes saved on such CPUs)."""
+    import cnnpipe.trials as trials_mod
+
+    timed = []
+    monkeypatch.setattr(trials_mod, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(trials_mod, "candidates", lambda *a: [("amp", {"amp": "bf16"}), ("loader", {"loader": "baseline"})])
+    monkeypatch.setattr(trials_mod, "build_setup", lambda *a: object())
+    monkeypatch.setattr(trials_mod, "batch_trials", lambda *a, **k: [])
+    monkeypatch.setattr(trials_mod, "paired_trial", lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
+    cfg = config(tmp_path, amp="off")
+    results = trials_mod.run_trials(cfg, cfg, DistInfo(), tmp_path, None, set())
+    assert timed == ["loader"] and results[0].note.startswith("not measured") and not results[0].win
+    forced = resolve(load_params(write_params(tmp_path / "forced.yaml", {**tiny_params(),
+                     "profile": {**tiny_params()["profile"], "trial_ruled_out": True}})), "optimized")
+    trials_mod.run_trials(forced, forced, DistInfo(), tmp_path, None, set())
+    assert timed == ["loader", "amp", "loader"]
+    monkeypatch.setattr(trials_mod, "cpu_has_fast_bf16", lambda: True)
+    assert trials_mod.ruled_out({"amp": "bf16"}, torch.device("cpu")) == ""
+
+
+def test_a_spent_time_box_notes_the_remaining_trials_instead_of_timing_them(monkeypatch, tmp_path):
+    """profile.budget_share: once the stage has used its share of the budget, nothing new is timed,
+    and two single wins are not shipped together unmeasured."""
+    import cnnpipe.trials as trials_mod
+
+    timed = []
+    monkeypatch.setattr(trials_mod, "build_setup", lambda *a: object())
+    monkeypatch.setattr(trials_mod, "paired_trial", lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
+    cfg = config(tmp_path)
+    results = trials_mod.run_trials(cfg, cfg, DistInfo(), tmp_path, None, set(), time_box_s=0.0)
+    assert timed == [] and results and all(r.note == trials_mod.OUT_OF_TIME for r in results)
+    assert results[-1].knob == "batch_size" and not any(r.win for r in results)
+    wins = [Trial("amp", {"amp": "off"}, 1.2, win=True), Trial("loader", {"loader": "baseline"}, 1.1, win=True)]
+    requested = config(tmp_path, amp="auto", loader="auto")
+    current = resolve_auto(requested, torch.device("cpu"))
+    kept, combined = confirm_combined(requested, current, DistInfo(), tmp_path, None, wins,
+                                      tuned_settings(requested, current, wins), time_box_s=0.0)
+    assert kept["amp"] == "off" and kept["loader"] == current.train.loader
+    assert combined.note.startswith("not measured") and "kept only amp=off" in combined.note

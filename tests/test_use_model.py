@@ -113,7 +113,8 @@ def test_exports_match_pytorch_on_the_test_split(trained, tmp_path):
     assert (tmp_path / "exports" / "model.ts").stat().st_size > 0
     assert (tmp_path / "exports" / "model.onnx").stat().st_size > 0
     assert result["onnx_checker"].startswith("onnxruntime") and result["onnx_opset"] >= 17
-    assert result["images"] == len(open_split(prepared, "test"))
+    assert result["images"] == len(open_split(prepared, "test")) and result["parity_on"] == "whole test split"
+    assert result["stage_time_s"] > 0
     for name in ("torchscript", "onnx"):
         assert result[name]["top1_agreement"] == 1.0, name
         assert result[name]["max_abs_diff"] < 1e-3, name
@@ -133,6 +134,7 @@ def test_without_onnxruntime_export_says_only_the_checker_ran(trained, tmp_path,
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if it never installed
     result = export.export_model(models, prepared, tmp_path / "exports", tmp_path / "export.json", max_images=20)
     assert result["onnx"] is None and result["onnx_checker"].startswith("onnx.checker")
+    assert 15 <= result["images"] <= 25 and result["parity_on"].startswith("fixed class-balanced subset")
     assert "no numerical parity" in result["onnx_checker"]
     assert result["torchscript"]["top1_agreement"] == 1.0
 

@@ -26,12 +26,14 @@ def read_budget(path: Path | None) -> dict[str, Any]:
 
 
 def apply_budget(cfg: VariantConfig, budget: dict[str, Any]) -> VariantConfig:
-    """`cfg` with the budget's images per epoch, when it is lower than what the params ask for."""
-    cap = budget.get("images_per_epoch")
-    if cap is None:
-        return cfg
-    current = cfg.train.images_per_epoch
-    return cfg.with_train(images_per_epoch=cap if current is None else min(current, cap))
+    """`cfg` with the budget's training and validation images per epoch, where they are lower than
+    what the params ask for."""
+    changes = {}
+    for key in ("images_per_epoch", "val_images"):
+        cap, current = budget.get(key), getattr(cfg.train, key)
+        if cap is not None:
+            changes[key] = cap if current is None else min(current, cap)
+    return cfg.with_train(**changes)
 
 
 def fit_batch_to_steps(cfg: VariantConfig, n_train: int, world_size: int) -> VariantConfig:

@@ -156,6 +156,9 @@ class TrainConfig:
     images_per_epoch: int | None = None
     """Training images drawn (a fresh random subset) per epoch; null = the whole training split.
     The time budget (`run.budget_minutes`) may lower it; the LR schedule follows the real steps."""
+    val_images: int | None = None
+    """Validation images per epoch, a fixed class-balanced subset of the val split; null = all of it.
+    The time budget (`run.budget_minutes`) may lower it; the test split is always evaluated whole."""
     min_steps: int | None = 300
     """Fewest optimizer steps a run should take: when the images per epoch leave fewer (a tight
     budget), the batch is halved until they do, down to 64, with the LR scaled along; null = keep
@@ -202,6 +205,8 @@ class TrainConfig:
             _fail("train.threads", self.threads, "null or an integer >= 1")
         if self.images_per_epoch is not None and self.images_per_epoch < 1:
             _fail("train.images_per_epoch", self.images_per_epoch, "null (all) or an integer >= 1")
+        if self.val_images is not None and self.val_images < 10:
+            _fail("train.val_images", self.val_images, "null (all) or an integer >= 10")
         if self.min_steps is not None and self.min_steps < 1:
             _fail("train.min_steps", self.min_steps, "null (keep train.batch_size) or an integer >= 1")
 
@@ -219,6 +224,12 @@ class ProfileConfig:
     """Interleaved current/candidate block pairs per trial; a win must hold in every round."""
     min_gain: float = 0.05
     """Speed-up a candidate must beat (median over rounds) to replace the current value."""
+    budget_share: float | None = 0.075
+    """Share of `run.budget_minutes` each profile may spend (0.075: both profiles 15% of the run); a
+    trial that would start later is noted, not timed. null, or no budget: every trial runs."""
+    trial_ruled_out: bool = False
+    """Also measure candidates this machine's hardware rules out (bf16 autocast on a CPU without
+    avx512_bf16/amx_bf16, which runs ~10x slower there and costs minutes to confirm)."""
 
     def __post_init__(self) -> None:
         for key in ("wait", "warmup"):
@@ -231,6 +242,8 @@ class ProfileConfig:
             _fail("profile.trial_steps", self.trial_steps, "an integer >= 1")
         if not 0.0 <= self.min_gain < 1.0:
             _fail("profile.min_gain", self.min_gain, "a fraction in [0, 1), e.g. 0.05 for 5%")
+        if self.budget_share is not None and not 0.0 < self.budget_share <= 1.0:
+            _fail("profile.budget_share", self.budget_share, "null (no limit) or a fraction in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ from typing import Any
 from .config import VariantConfig
 from .distributed import DistInfo
 from .measure import Setup, build_setup
-from .trials import Trial, paired_trial
+from .trials import OUT_OF_TIME, Trial, out_of_time, paired_trial
 from .tuning import auto_knobs
+
 
 def tuned_settings(requested: VariantConfig, current: VariantConfig, results: list[Trial]) -> dict[str, Any]:
     """A value for each knob `requested` leaves at `auto`: the best winning trial's, else the default."""
@@ -22,19 +23,25 @@ def tuned_settings(requested: VariantConfig, current: VariantConfig, results: li
 
 
 def confirm_combined(requested: VariantConfig, current: VariantConfig, info: DistInfo, prepared_dir: Path,
-                     base: Setup, results: list[Trial], tuned: dict[str, Any]) -> tuple[dict[str, Any], Trial | None]:
-    """Knobs that each won alone are measured together; when the mix does not win, only the best
-    single change is kept (so the recipe never ships an unmeasured combination)."""
+                     base: Setup, results: list[Trial], tuned: dict[str, Any],
+                     time_box_s: float | None = None) -> tuple[dict[str, Any], Trial | None]:
+    """Knobs that each won alone are measured together; when the mix does not win, or the time box
+    leaves no room to measure it, only the best single change is kept (so the recipe never ships an
+    unmeasured combination)."""
     changed = {k: v for k, v in tuned.items() if v != getattr(current.train, k)}
     if len(changed) < 2:
         return tuned, None
-    p = current.profile
-    candidate = build_setup(current.with_train(**changed), info, prepared_dir)
-    combined = paired_trial("combined", changed, base, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
-    if combined.win:
-        return tuned, combined
+    if out_of_time(time_box_s):
+        combined = Trial("combined", changed, note=OUT_OF_TIME)
+    else:
+        p = current.profile
+        candidate = build_setup(current.with_train(**changed), info, prepared_dir)
+        combined = paired_trial("combined", changed, base, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+        if combined.win:
+            return tuned, combined
+        combined.note = "the mix did not win"
     best = max((t for t in results if t.win and t.knob in changed), key=lambda t: t.speedup)
-    combined.note = f"the mix did not win; kept only {best.knob}={best.change[best.knob]}"
+    combined.note += f"; kept only {best.knob}={best.change[best.knob]}"
     kept = {k: (best.change[k] if k == best.knob else getattr(current.train, k)) for k in tuned}
     return kept, combined
 

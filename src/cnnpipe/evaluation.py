@@ -16,7 +16,7 @@ from .engine import predict
 from .files import write_json
 from .gallery import most_confident_mistakes, save_gallery
 from .metrics import classification_summary, topk_correct
-from .monitor import peak_mem_mb
+from .monitor import peak_mem_mb, process_seconds
 from .precision import autocast
 from .stats import SMALL_TEST, wilson_interval
 from .trained import load_trained, make_transform
@@ -95,6 +95,7 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
         writer = csv.DictWriter(fh, fieldnames=list(summary["calibration"][0]))
         writer.writeheader()
         writer.writerows(summary["calibration"])
+    result["stage_time_s"] = process_seconds()
     write_json(out_dir / "eval.json", result)
     save_gallery(out_dir / "mistakes.png", split.images, mistakes, classes,
                  title=f"{model_dir.name}: most confident mistakes on the test split")

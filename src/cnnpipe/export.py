@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from .data.loaders import build_eval_loader
-from .data.store import open_split
+from .data.store import balanced_subset, open_split
 from .trained import load_trained, make_transform
 from .files import write_json
+from .monitor import process_seconds
 
 OPSET = 18
 
@@ -89,8 +90,10 @@ def _agreement(reference: torch.Tensor, other: torch.Tensor, labels: torch.Tenso
 def parity(model: torch.nn.Module, scripted: torch.jit.ScriptModule,
            run_onnx: Callable[[np.ndarray], np.ndarray] | None, meta: dict,
            prepared_dir: Path, max_images: int | None, batch_size: int = 250) -> dict[str, Any]:
-    """PyTorch vs TorchScript vs ONNX logits on the test split (the same fp32 inputs for all three)."""
-    split = open_split(prepared_dir, "test", limit=max_images)
+    """PyTorch vs TorchScript vs ONNX logits on the test split, or a fixed class-balanced subset of
+    `max_images` of it (the same fp32 inputs for all three)."""
+    whole = open_split(prepared_dir, "test")
+    split = balanced_subset(whole, max_images)
     transform = make_transform({**meta, "channels_last": False})
     ref, ts, ox, labels = [], [], [], []
     for images, y in build_eval_loader(split, batch_size=batch_size):
@@ -101,7 +104,10 @@ def parity(model: torch.nn.Module, scripted: torch.jit.ScriptModule,
             ox.append(torch.from_numpy(run_onnx(x.numpy())))
         labels.append(y)
     reference, labels_t = torch.cat(ref), torch.cat(labels)
-    result = {"images": len(labels_t), "pytorch_top1": float((reference.argmax(1) == labels_t).float().mean()),
+    result = {"images": len(labels_t),
+              "parity_on": "whole test split" if len(split) == len(whole) else
+              f"fixed class-balanced subset of the test split ({len(split)} of {len(whole)})",
+              "pytorch_top1": float((reference.argmax(1) == labels_t).float().mean()),
               "torchscript": _agreement(reference, torch.cat(ts), labels_t)}
     result["onnx"] = _agreement(reference, torch.cat(ox), labels_t) if ox else None
     return result
@@ -136,6 +142,7 @@ def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_pat
         "export_time_s": {"torchscript": t_ts, "onnx": t_onnx},
         "size_mb": {f.suffix[1:]: f.stat().st_size / 2**20 for f in (out_dir / "model.ts", out_dir / "model.onnx")},
         **checks,
+        "stage_time_s": process_seconds(),
     }
     write_json(metrics_path, result)
     return result

@@ -24,9 +24,10 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 from .config import VariantConfig
 from .data.loaders import TrainLoader
 from .data.store import open_split
-from .distributed import DistInfo
+from .distributed import DistInfo, unwrap
 from .engine import StepContext, micro_step, no_region
 from .kernels import busy_fraction, tensor_core_share
+from .precision import autocast
 from .profile_format import REGIONS
 from .trainer import build_training, step_context
 from .tuning import resolve_auto
@@ -82,6 +83,7 @@ class Setup:
     loader: TrainLoader
     images_per_step: int
     steps_per_epoch: int
+    in_chans: int
     step: int = 0
     _iter: Iterator | None = None
     _epoch: int = 0
@@ -109,7 +111,7 @@ def build_setup(cfg: VariantConfig, info: DistInfo, prepared_dir: Path) -> Setup
     parts = build_training(cfg, info, open_split(prepared_dir, "train"))
     ctx, _ = step_context(cfg, parts, info, parts.schedule)
     ctx.model.train()
-    return Setup(cfg, ctx, parts.loader, parts.global_batch, parts.steps_per_epoch)
+    return Setup(cfg, ctx, parts.loader, parts.global_batch, parts.steps_per_epoch, parts.split.channels)
 
 
 def train_step(s: Setup, timer: RegionTimer | None = None) -> None:
@@ -138,6 +140,32 @@ def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[st
         times.append(time.perf_counter() - t0)
     cpu_util = (_cpu_seconds() - cpu0) / (time.perf_counter() - wall0) / max(1, torch.get_num_threads())
     return times, timer.totals, cpu_util
+
+
+@torch.no_grad()
+def inference_speed(s: Setup, batch: int = 256, steps: int = 3) -> float:
+    """Images/s of the model alone at evaluation's batch (eval mode, no autograd, the recipe's
+    precision and layout): the speed validation, `evaluate` and `export` run at, for the plan.
+    Measured, because a training step's forward share overstates it by up to 2x."""
+    model = unwrap(s.ctx.model)
+    size = s.cfg.data.image_size
+    x = torch.zeros(batch, s.in_chans, size, size, device=s.device)
+    if s.cfg.train.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    model.eval()
+    times = []
+    try:
+        for i in range(steps + 1):
+            _sync(s.device)
+            t0 = time.perf_counter()
+            with autocast(s.ctx.amp, s.device):
+                model(x)
+            _sync(s.device)
+            if i:  # the first call pays for allocation and kernel selection
+                times.append(time.perf_counter() - t0)
+    finally:
+        model.train()
+    return batch / statistics.median(times)
 
 
 def _cpu_seconds() -> float:

@@ -12,7 +12,6 @@ import hashlib
 import logging
 import os
 import socket
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
@@ -144,11 +143,10 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
             f"connected machine (timm.create_model({cfg.name!r}, pretrained=True) fills the cache), copy the "
             f"file here and set model.weights_file, or set model.pretrained: auto|false."
         )
-    warnings.warn(f"model.pretrained=auto: NO pretrained weights for {cfg.name!r} ({reason}); "
-                  "training from RANDOM initialisation", stacklevel=2)
     if cfg.name not in _SAID_RANDOM:  # the profile builds a model per trial: say it once per process
         _SAID_RANDOM.add(cfg.name)
-        log.warning("training %s from random init (%s)", cfg.name, reason)
+        log.warning("model.pretrained=auto: NO pretrained weights for %s (%s); training from RANDOM init",
+                    cfg.name, reason)
     return timm.create_model(cfg.name, pretrained=False, **kwargs), InitInfo("random", None, None)
 
 

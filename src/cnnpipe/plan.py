@@ -9,6 +9,9 @@ rule for every variant, so the baseline/optimized comparison stays fair:
   ...): the largest step whose predicted total fits the budget;
 - the count is rounded down to a multiple of the largest global batch, so every variant's epoch is
   whole batches of the same images;
+- the other per-run costs shrink with it: validation runs on a fixed class-balanced subset
+  (`VAL_UNDER_BUDGET`) and the export parity check on one of the test split (`PARITY_UNDER_BUDGET`);
+  test evaluation always covers the whole test split;
 - hysteresis: the previous run's fraction is kept while its prediction stays within 75%..110% of
   the budget. Speed measurements drift by ~10% on shared machines; without this a run near a
   ladder step would flip between two recipes from one `dvc repro` to the next.
@@ -30,6 +33,11 @@ KEEP_BAND = (0.75, 1.10)
 STARTUP_S = 12.0  # a stage's process start: Python, torch and timm imports, model build (measured ~8-12 s)
 EXPORT_S = 15.0  # tracing + the torch.export-based ONNX export of ResNet-50 (measured ~6 s, 2 cores)
 FP32_EXPORT_SLOWDOWN = 1.3  # export parity runs fp32 three times (PyTorch, TorchScript, ONNX Runtime)
+VAL_UNDER_BUDGET = 1000
+"""Validation images per epoch when the budget binds: top-1 to about +-1.5 points, enough to pick the
+best epoch, for a sixth of the cost of Fashion-MNIST's 6,000."""
+PARITY_UNDER_BUDGET = 1000
+"""Test images the export parity check covers when the budget binds (the whole split otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,8 @@ class Recipe:
     train_img_s: float
     """Training images/s of the recipe training will run (the profile's tuned values)."""
     eval_img_s: float
-    """Inference images/s, estimated from the forward share of the profiled step."""
+    """Inference images/s at the evaluation batch, as the profile measured it (older profiles: estimated
+    from the forward share of the training step)."""
     profile_s: float
     """What the profile stage already spent."""
     batch_size: int = 0
@@ -52,6 +61,8 @@ class Recipe:
     min_steps: int | None = None
     smaller_batch_speed: dict[int, float] = field(default_factory=dict)
     """Measured speed of each batch `min_steps` may halve to, relative to `batch_size` (profile)."""
+    val_images: int | None = None
+    """train.val_images: validation images per epoch asked for (None: the whole val split)."""
 
     def batch_for(self, images_per_epoch: int) -> int:
         """The per-process batch training will use when each epoch draws `images_per_epoch` images."""
@@ -67,23 +78,35 @@ class Recipe:
 def recipe_from_profile(cfg: VariantConfig, profile: dict[str, Any]) -> Recipe:
     """A `Recipe` from metrics/profile/<variant>.json and the variant's resolved config."""
     train_img_s = profile["throughput_img_s"] * profile.get("tuned_speedup", 1.0)
-    forward = profile.get("fractions", {}).get("forward") or 0.25
-    # Inference is the forward pass alone; no_grad makes it a little faster still, so this is cautious.
-    eval_img_s = train_img_s / max(forward, 0.05)
+    if profile.get("inference_img_s"):  # measured at the eval batch; the tuned values change it as they do training
+        eval_img_s = profile["inference_img_s"] * profile.get("tuned_speedup", 1.0)
+    else:  # a profile without that block: the forward pass's share of a training step (cautious)
+        eval_img_s = train_img_s / max(profile.get("fractions", {}).get("forward") or 0.25, 0.05)
     t = cfg.train
     world = t.nproc * t.nnodes
     smaller = {int(e["change"]["batch_size"]): float(e["speed_vs_tuned"])
                for e in profile.get("smaller_batches", []) if e.get("speed_vs_tuned")}
     return Recipe(cfg.variant, t.epochs, t.batch_size * world * t.accum_steps, train_img_s, eval_img_s,
-                  float(profile.get("stage_time_s", 0.0)), t.batch_size, world, t.accum_steps, t.min_steps, smaller)
+                  float(profile.get("stage_time_s", 0.0)), t.batch_size, world, t.accum_steps, t.min_steps, smaller,
+                  t.val_images)
 
 
-def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int) -> dict[str, float]:
-    """Predicted wall time of train, evaluate and export for one recipe."""
+def checked_images(fraction: float, n_val: int, n_test: int, val_images: int | None) -> tuple[int, int]:
+    """(validation images per epoch, export parity images) at `fraction`: all of them unless the
+    budget binds (fraction < 1)."""
+    val = n_val if val_images is None else min(n_val, val_images)
+    if fraction >= 1.0:
+        return val, n_test
+    return min(val, VAL_UNDER_BUDGET), min(n_test, PARITY_UNDER_BUDGET)
+
+
+def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int, n_parity: int) -> dict[str, float]:
+    """Predicted wall time of train, evaluate and export for one recipe (`n_val`: validation images
+    per epoch; `n_parity`: test images the export check covers)."""
     train = r.epochs * (images_per_epoch / r.train_speed(images_per_epoch) + n_val / r.eval_img_s) + STARTUP_S
     bench = 6 * 256 / r.eval_img_s  # evaluate's model-only throughput measurement
     evaluate = n_test / r.eval_img_s + bench + STARTUP_S
-    export = 3 * FP32_EXPORT_SLOWDOWN * n_test / r.eval_img_s + EXPORT_S + STARTUP_S
+    export = 3 * FP32_EXPORT_SLOWDOWN * n_parity / r.eval_img_s + EXPORT_S + STARTUP_S
     return {f"train@{r.variant}": train, f"evaluate@{r.variant}": evaluate, f"export@{r.variant}": export}
 
 
@@ -101,7 +124,8 @@ def predict_total(recipes: Sequence[Recipe], fraction: float, full: int, n_val: 
     images = images_for(fraction, full, multiple)
     stages: dict[str, float] = {}
     for r in recipes:
-        stages.update(stage_seconds(r, images, n_val, n_test))
+        val, parity = checked_images(fraction, n_val, n_test, r.val_images)
+        stages.update(stage_seconds(r, images, val, n_test, parity))
     stages["compare"] = STARTUP_S / 2
     spent = sum(r.profile_s for r in recipes)
     return images, stages, spent + sum(stages.values())
@@ -140,10 +164,13 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
     fraction, reason = choose_fraction(recipes, full, n_val, n_test, budget_s, previous)
     images, stages, total = predict_total(recipes, fraction, full, n_val, n_test)
     _, _, unbudgeted = predict_total(recipes, 1.0, full, n_val, n_test)
+    val_cap, parity_cap = checked_images(fraction, n_val, n_test, None) if fraction < 1.0 else (None, None)
     return {
         "budget_minutes": budget_minutes,
         "fraction": fraction,
         "images_per_epoch": images,
+        "val_images": val_cap,
+        "parity_images": parity_cap,
         "train_images": n_train,
         "predicted_s": stages,
         "profile_s": {f"profile@{r.variant}": r.profile_s for r in recipes},
@@ -168,7 +195,9 @@ def to_text(plan: dict[str, Any]) -> str:
               f"Training images per epoch: **{plan['images_per_epoch']}** of {plan['train_images']} "
               f"(fraction {_frac(plan['fraction'])}): {plan['reason']}."]
     if plan["fraction"] < 1.0:
-        lines.append(f"Without the budget the run would take ~{plan['predicted_total_unbudgeted_s'] / 60:.0f} min.")
+        lines.append(f"Without the budget the run would take ~{plan['predicted_total_unbudgeted_s'] / 60:.0f} min. "
+                     f"Under it, validation uses {plan['val_images']} images per epoch and the export check "
+                     f"{plan['parity_images']} test images (fixed, class-balanced); test evaluation stays whole.")
     halved = [f"{r['variant']} {plan['batch'][r['variant']]} (train.batch_size {r['global_batch']})"
               for r in plan["recipes"] if plan["batch"][r["variant"]] != r["global_batch"]]
     if halved:
@@ -187,5 +216,6 @@ def to_text(plan: dict[str, Any]) -> str:
 def budget_values(plan: dict[str, Any]) -> dict[str, Any]:
     """What training depends on: only the chosen values, so a re-measured plan that chooses the same
     recipe retrains nothing."""
-    return {"fraction": plan["fraction"],
-            "images_per_epoch": None if plan["fraction"] >= 1.0 else plan["images_per_epoch"]}
+    whole = plan["fraction"] >= 1.0
+    return {"fraction": plan["fraction"], "images_per_epoch": None if whole else plan["images_per_epoch"],
+            "val_images": plan.get("val_images"), "parity_images": plan.get("parity_images")}

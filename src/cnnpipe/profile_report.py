@@ -56,7 +56,7 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
         lines += ["", f"## {name}: bottleneck `{p['bottleneck']}`", "",
                   f"{p['device']}, {p['threads']} threads, amp={p['amp']}, batch {p['batch_size']}, "
                   f"CPU utilisation {p['cpu_util']:.0%}, peak memory {p['peak_mem_mb']:.0f} MB, "
-                  f"{_syncs(p)}{_gpu_facts(p)}.", ""]
+                  f"{_syncs(p)}{_gpu_facts(p)}.{_stage_time(p)}", ""]
         if not p["recommendations"]:
             compute = sum(p["fractions"].get(k, 0.0) for k in ("forward", "backward", "optimizer"))
             lines.append(f"No rule fired: forward + backward + optimizer are {compute:.1%} of the step, with "
@@ -89,6 +89,14 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
               "Or load a `logs/profile/<variant>/*.pt.trace.json` file in https://ui.perfetto.dev.",
               "The figures above come from an un-profiled timed run (the profiler's overhead is not in them).", ""]
     return "\n".join(lines)
+
+
+def _stage_time(p: dict[str, Any]) -> str:
+    """How long the stage ran, against its time box (profile.budget_share of run.budget_minutes)."""
+    if p.get("stage_time_s") is None:
+        return ""
+    box = f" (time box for starting trials: {p['time_box_s']:.0f} s)" if p.get("time_box_s") else ""
+    return f" The stage took {p['stage_time_s']:.0f} s{box}."
 
 
 def _syncs(p: dict[str, Any]) -> str:

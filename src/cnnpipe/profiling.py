@@ -19,10 +19,10 @@ from .decision import _best_batch, confirm_combined, tuned_settings, tuned_speed
 from .diagnosis import Facts, Recommendation, diagnose
 from .distributed import DistInfo
 from .files import write_json, write_text
-from .measure import _iqr, _memory_frac, build_setup, fractions, timed_steps, trace_window
+from .measure import _iqr, _memory_frac, build_setup, fractions, inference_speed, timed_steps, trace_window
 from .monitor import peak_mem_mb
 from .profile_format import all_trials
-from .trials import Trial, recommended_together, run_trials, smaller_batch_trials
+from .trials import Trial, out_of_time, recommended_together, run_trials, smaller_batch_trials
 from .tuning import auto_knobs, resolve_auto
 
 
@@ -38,14 +38,19 @@ def _with_measurement(rec: Recommendation, results: list[Trial]) -> dict[str, An
 
 
 def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path, trace_dir: Path,
-                    with_trials: bool) -> dict[str, Any]:
-    """Everything metrics/profile/<variant>.json holds (`tuned`: values for the `auto` knobs)."""
+                    with_trials: bool, time_box_s: float | None = None) -> dict[str, Any]:
+    """Everything metrics/profile/<variant>.json holds (`tuned`: values for the `auto` knobs).
+
+    Trials whose turn comes after `time_box_s` (seconds since the process started) are noted, not
+    timed; the smaller batches' speeds are always measured, since the plan predicts with them.
+    """
     cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
     p, t = cfg.profile, cfg.train
     base = build_setup(cfg, info, prepared_dir)
     times, totals, cpu_util = timed_steps(base, warmup=1, steps=max(p.active, p.trial_steps * p.trial_rounds))
     step_s = statistics.median(times)
     traced = trace_window(base, trace_dir, worker=f"{cfg.variant}_rank{info.rank}")
+    inference_img_s = inference_speed(base)
     mem_frac = _memory_frac(info.device)
     facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=t.batch_size,
@@ -57,17 +62,17 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     combined, smaller, gain = None, [], 1.0
     if with_trials:
         recommended = {r.knob for r in diagnose(facts)[1] if r.knob}
-        results = run_trials(cfg, requested, info, prepared_dir, base, recommended)
+        results = run_trials(cfg, requested, info, prepared_dir, base, recommended, time_box_s)
         best = _best_batch(results)
         facts = dataclasses.replace(facts, batch_gain=best.speedup if best else None,
                                     best_batch=best.change["batch_size"] if best else None)
         tuned, combined = confirm_combined(requested, cfg, info, prepared_dir, base, results,
-                                           tuned_settings(requested, cfg, results))
+                                           tuned_settings(requested, cfg, results), time_box_s)
         gain = tuned_speedup(cfg, tuned, results, combined)
-        smaller = smaller_batch_trials(requested, cfg, info, prepared_dir, base, tuned, gain)
+        smaller = smaller_batch_trials(requested, cfg, info, prepared_dir, base, tuned, gain, time_box_s)
     at_batch = {e["change"]["batch_size"]: e["at_batch"] for e in smaller if e["at_batch"]}
     label, recs = diagnose(facts)
-    if with_trials and combined is None:  # (at most one tuned change: `gain` cannot be this mix's)
+    if with_trials and combined is None and not out_of_time(time_box_s):  # (`gain` cannot be this mix's)
         combined = recommended_together(cfg, info, prepared_dir, base, results,
                                         [r.knob for r in recs if r.knob and r.knob != "batch_size"])
     return {
@@ -80,6 +85,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "step_time_iqr_s": _iqr(times),
         "steps_timed": len(times),
         "throughput_img_s": base.images_per_step / step_s,
+        "inference_img_s": inference_img_s,
         "fractions": facts.fractions,
         "cpu_util": cpu_util,
         **traced,
@@ -91,6 +97,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "combined_trial": combined.to_dict() if combined else None,
         "min_gain": p.min_gain,
         "trial_rounds": p.trial_rounds,
+        "time_box_s": time_box_s,
         # `at_batch`: values that differ at a batch `train.min_steps` may pick (training applies them there).
         "tuned": {**tuned, "at_batch": at_batch} if at_batch else tuned,
         "tuned_speedup": gain,

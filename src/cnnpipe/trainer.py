@@ -23,13 +23,13 @@ from . import checkpoint as ckpt
 from .budget import fit_batch_to_steps
 from .config import VariantConfig
 from .data.loaders import AugmentConfig, FastTransform, TrainLoader, build_eval_loader, build_train_loader
-from .data.store import PreparedSplit, open_split
+from .data.store import PreparedSplit, balanced_subset, open_split
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, unwrap
 from .engine import StepContext, evaluate_top1, train_one_epoch
 from .files import write_json
 from .hardware import cpu_report, usable_cores
 from .models import InitInfo, create_model, model_mean_std
-from .monitor import GpuUtilSampler, peak_mem_mb
+from .monitor import GpuUtilSampler, peak_mem_mb, process_seconds
 from .precision import grad_scaler, resolve_amp
 from .schedule import LrSchedule
 from .tuning import resolve_auto
@@ -245,8 +245,9 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
                          "set train.sync_bn: false for CPU training")
     parts = build_training(cfg, info, train_split)
     ema = ModelEmaV3(parts.model, decay=t.ema_decay) if t.ema_decay else None
-    val_loader = build_eval_loader(open_split(prepared_dir, "val"), batch_size=max(t.batch_size, 256),
-                                   rank=info.rank, world_size=info.world_size)
+    val_split = balanced_subset(open_split(prepared_dir, "val"), t.val_images)
+    val_loader = build_eval_loader(val_split, batch_size=max(t.batch_size, 256), rank=info.rank,
+                                   world_size=info.world_size)
     val_transform = FastTransform(parts.aug, parts.mean, parts.std, train=False, channels_last=t.channels_last,
                                   seed=cfg.seed)
     fingerprint = ckpt.fingerprint(cfg, ckpt.data_fingerprint(prepared_dir))
@@ -290,7 +291,8 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
         return None
     summary = _summary(cfg, progress.history, parts.init, info, parts.amp, parts.global_batch,
                        parts.schedule.peak_lr, threads, progress.resumed_from, gpu_util, time.perf_counter() - t_start)
-    summary.update(optimizer_steps=parts.schedule.total_steps, batch_note=batch_note)
+    summary.update(optimizer_steps=parts.schedule.total_steps, batch_note=batch_note, val_images=len(val_split),
+                   stage_time_s=process_seconds())
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())
     return summary

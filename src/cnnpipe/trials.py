@@ -13,8 +13,10 @@ import torch
 
 from .config import VariantConfig
 from .diagnosis import MEMORY_FRAC
+from .hardware import cpu_has_fast_bf16
 from .distributed import DistInfo
 from .measure import Setup, _memory_frac, _sync, build_setup, train_step
+from .monitor import process_seconds
 from .schedule import MIN_BATCH
 from .tuning import auto_knobs
 
@@ -108,29 +110,53 @@ def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.devic
     return out
 
 
+def ruled_out(change: dict[str, Any], device: torch.device) -> str:
+    """Why this machine's hardware rules the candidate out without a measurement ('' when it does not)."""
+    if device.type == "cpu" and change.get("amp") == "bf16" and not cpu_has_fast_bf16():
+        return ("not measured: this CPU has no avx512_bf16/amx_bf16, where bf16 runs ~10x slower than fp32 "
+                "(profile.trial_ruled_out: true measures it)")
+    return ""
+
+
+OUT_OF_TIME = "not measured: the profile's share of run.budget_minutes was spent (profile.budget_share)"
+
+
+def out_of_time(time_box_s: float | None) -> bool:
+    """True once this stage has run past its time box (seconds since the process started; None: no box)."""
+    return time_box_s is not None and process_seconds() > time_box_s
+
+
 def run_trials(cfg: VariantConfig, requested: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
-               recommended: set[str]) -> list[Trial]:
-    """Measure each candidate against `current`, then grow the batch while it pays."""
+               recommended: set[str], time_box_s: float | None = None) -> list[Trial]:
+    """Measure each candidate against `current`, then grow the batch while it pays; a candidate whose
+    turn comes after `time_box_s` is noted, not timed."""
     p = cfg.profile
     results = []
     for knob, change in candidates(cfg, requested, info.device, recommended):
+        reason = OUT_OF_TIME if out_of_time(time_box_s) else ("" if p.trial_ruled_out else ruled_out(change, info.device))
+        if reason:
+            results.append(Trial(knob, change, note=reason))
+            continue
         if knob == "compile":
             results.append(compile_trial(cfg, info, prepared_dir, current))
             continue
         candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
         results.append(paired_trial(knob, change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain))
         del candidate
-    results += batch_trials(cfg, info, prepared_dir, current)
+    results += batch_trials(cfg, info, prepared_dir, current, time_box_s=time_box_s)
     return results
 
 
 def batch_trials(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
-                 max_doublings: int = 2) -> list[Trial]:
+                 max_doublings: int = 2, time_box_s: float | None = None) -> list[Trial]:
     """Double the batch while each doubling adds `min_gain`, memory stays under the memory rule's
-    threshold and nothing OOMs."""
+    threshold, nothing OOMs and the time box lasts."""
     p, results, previous = cfg.profile, [], None
     for k in range(1, max_doublings + 1):
         change = {"batch_size": cfg.train.batch_size * 2 ** k}
+        if out_of_time(time_box_s):
+            results.append(Trial("batch_size", change, note=OUT_OF_TIME))
+            break
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(info.device)  # the peak below is this candidate's
         try:
@@ -163,12 +189,14 @@ profiled batch can be the wrong one for a short run's batch."""
 
 
 def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: DistInfo, prepared_dir: Path,
-                         current: Setup, tuned: dict[str, Any], tuned_gain: float) -> list[dict[str, Any]]:
+                         current: Setup, tuned: dict[str, Any], tuned_gain: float,
+                         time_box_s: float | None = None) -> list[dict[str, Any]]:
     """Speed of each batch `train.min_steps` may halve to, and the batch-sensitive `auto` knobs
     re-tuned there.
 
     The batch itself is never tuned for speed (it changes the optimisation); the plan multiplies
     the recipe's speed by `speed_vs_tuned`, and training takes `at_batch` values at that batch.
+    Past the time box only the speeds are measured, not the re-tuning.
     """
     if cfg.train.min_steps is None:
         return []
@@ -182,7 +210,7 @@ def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: Dis
         trial.win = False  # measured for the plan, never tuned: the batch changes the optimisation
         entry, gain = trial.to_dict(), 1.0
         entry["at_batch"], entry["knob_trials"] = {}, []
-        for knob in retune:
+        for knob in [] if out_of_time(time_box_s) else retune:  # (the speed itself always: the plan needs it)
             flip = {knob: not getattr(recipe.train, knob), "batch_size": batch}
             other = build_setup(recipe.with_train(**flip), info, prepared_dir)
             knob_trial = paired_trial(knob, flip, at_batch, other, p.trial_rounds, p.trial_steps, p.min_gain)
