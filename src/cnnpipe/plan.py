@@ -21,6 +21,7 @@ Everything here is pure: numbers in, numbers out. `budget.py` applies the choice
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Sequence
@@ -30,9 +31,9 @@ from .schedule import batch_for_steps
 
 LADDER = (1.0, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 3 / 16, 1 / 8, 3 / 32, 1 / 16, 1 / 32, 1 / 64)
 KEEP_BAND = (0.75, 1.10)
-STARTUP_S = 12.0  # a stage's process start: Python, torch and timm imports, model build (measured ~8-12 s)
-EXPORT_S = 15.0  # tracing + the torch.export-based ONNX export of ResNet-50 (measured ~6 s, 2 cores)
-FP32_EXPORT_SLOWDOWN = 1.3  # export parity runs fp32 three times (PyTorch, TorchScript, ONNX Runtime)
+STARTUP_S = 7.0  # a stage's process start: Python, torch and timm imports, data and model (measured 7-8 s)
+EXPORT_S = 8.0  # tracing, the torch.export-based ONNX export of ResNet-50 and the ONNX Runtime session
+FP32_EXPORT_SLOWDOWN = 1.3  # export parity runs in fp32: slower than a recipe trained under autocast
 VAL_UNDER_BUDGET = 1000
 """Validation images per epoch when the budget binds: top-1 to about +-1.5 points, enough to pick the
 best epoch, for a sixth of the cost of Fashion-MNIST's 6,000."""
@@ -63,6 +64,8 @@ class Recipe:
     """Measured speed of each batch `min_steps` may halve to, relative to `batch_size` (profile)."""
     val_images: int | None = None
     """train.val_images: validation images per epoch asked for (None: the whole val split)."""
+    amp: str = "off"
+    """The precision training runs in (the export check always runs fp32)."""
 
     def batch_for(self, images_per_epoch: int) -> int:
         """The per-process batch training will use when each epoch draws `images_per_epoch` images."""
@@ -75,9 +78,19 @@ class Recipe:
         return self.train_img_s * self.smaller_batch_speed.get(self.batch_for(images_per_epoch), 1.0)
 
 
+def steady_speed(profile: dict[str, Any]) -> float:
+    """The profiled setup's training speed: the median of every trial's blocks of the current
+    setting, which span the whole profile (minutes), rather than its first timed window (seconds).
+    These VMs drift by tens of percent within minutes: the first window read 331 img/s where training
+    then ran 256, and the trials' median 257."""
+    trials = profile.get("trials", []) + [profile.get("combined_trial") or {}] + profile.get("smaller_batches", [])
+    blocks = [t["before_img_s"] for t in trials if t.get("before_img_s")]
+    return statistics.median(blocks) if blocks else profile["throughput_img_s"]
+
+
 def recipe_from_profile(cfg: VariantConfig, profile: dict[str, Any]) -> Recipe:
     """A `Recipe` from metrics/profile/<variant>.json and the variant's resolved config."""
-    train_img_s = profile["throughput_img_s"] * profile.get("tuned_speedup", 1.0)
+    train_img_s = steady_speed(profile) * profile.get("tuned_speedup", 1.0)
     if profile.get("inference_img_s"):  # measured at the eval batch; the tuned values change it as they do training
         eval_img_s = profile["inference_img_s"] * profile.get("tuned_speedup", 1.0)
     else:  # a profile without that block: the forward pass's share of a training step (cautious)
@@ -86,9 +99,10 @@ def recipe_from_profile(cfg: VariantConfig, profile: dict[str, Any]) -> Recipe:
     world = t.nproc * t.nnodes
     smaller = {int(e["change"]["batch_size"]): float(e["speed_vs_tuned"])
                for e in profile.get("smaller_batches", []) if e.get("speed_vs_tuned")}
+    amp = profile.get("tuned", {}).get("amp", profile.get("amp", "off"))
     return Recipe(cfg.variant, t.epochs, t.batch_size * world * t.accum_steps, train_img_s, eval_img_s,
                   float(profile.get("stage_time_s", 0.0)), t.batch_size, world, t.accum_steps, t.min_steps, smaller,
-                  t.val_images)
+                  t.val_images, amp)
 
 
 def checked_images(fraction: float, n_val: int, n_test: int, val_images: int | None) -> tuple[int, int]:
@@ -106,7 +120,8 @@ def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int, n_p
     train = r.epochs * (images_per_epoch / r.train_speed(images_per_epoch) + n_val / r.eval_img_s) + STARTUP_S
     bench = 6 * 256 / r.eval_img_s  # evaluate's model-only throughput measurement
     evaluate = n_test / r.eval_img_s + bench + STARTUP_S
-    export = 3 * FP32_EXPORT_SLOWDOWN * n_parity / r.eval_img_s + EXPORT_S + STARTUP_S
+    fp32 = 1.0 if r.amp == "off" else FP32_EXPORT_SLOWDOWN
+    export = 3 * fp32 * n_parity / r.eval_img_s + EXPORT_S + STARTUP_S  # PyTorch, TorchScript, ONNX Runtime
     return {f"train@{r.variant}": train, f"evaluate@{r.variant}": evaluate, f"export@{r.variant}": export}
 
 
