@@ -207,6 +207,13 @@ def test_repro_on_an_image_folder(project, tmp_path, predefined):
     assert report["predefined_splits"] is predefined
     evaluation = json.loads((project / "metrics" / "optimized" / "eval.json").read_text())
     assert evaluation["images"] == report["splits"]["test"]
+    # A dozen test images: the stage and compare.md say so, and claim no winner McNemar cannot back.
+    assert any("small test split" in w for w in evaluation["warnings"])
+    assert any("carved" in w for w in evaluation["warnings"]) is (not predefined)
+    compare = json.loads((project / "metrics" / "compare.json").read_text())
+    compare_md = (project / "metrics" / "compare.md").read_text()
+    assert "small test split" in compare_md
+    assert ("is better" in compare_md) == (compare["significance"]["p_value"] < 0.05)
 
 
 def test_killed_repro_resumes_without_repeating_epochs(project):
