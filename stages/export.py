@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=Path("data/prepared"))
     parser.add_argument("--out", type=Path, default=Path("exports"), help="files go to <out>/<variant>/")
     parser.add_argument("--metrics", type=Path, default=Path("metrics"), help="<metrics>/<variant>/export.json")
-    parser.add_argument("--budget", type=Path, help="the plan's budget.yaml: its parity_images, when set, caps the check")
+    parser.add_argument("--budget", type=Path,
+                        help="the plan's budget.yaml: its parity_images, when set, caps the check")
     parser.add_argument("--max-images", type=int, help="parity on a class-balanced N of the test images (default: all)")
     args = parser.parse_args(argv)
     try:
@@ -26,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"export[{args.variant}]: {exc}", file=sys.stderr)
         return 2
-    onnx = result["onnx"]
+    onnx, script = result["onnx"], result["torchscript"]
     print(f"export[{args.variant}]: {args.out / args.variant}/model.ts + model.onnx (opset {OPSET}); "
           f"PyTorch top-1 {result['pytorch_top1']:.4f} on {result['images']} test images; TorchScript "
-          f"agrees {result['torchscript']['top1_agreement']:.2%} (max |diff| {result['torchscript']['max_abs_diff']:.2e})"
+          f"agrees {script['top1_agreement']:.2%} (max |diff| {script['max_abs_diff']:.2e})"
           + (f"; ONNX agrees {onnx['top1_agreement']:.2%} (max |diff| {onnx['max_abs_diff']:.2e})" if onnx else "")
           + f"; checked with {result['onnx_checker']}")
     return 0

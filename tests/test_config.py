@@ -80,7 +80,8 @@ def test_variant_override_errors_name_the_variant_key(tmp_path):
 
 def test_yaml_booleans_map_to_choice_strings(tmp_path):
     path = tmp_path / "params.yaml"
-    text = yaml.safe_dump(base_params()).replace("amp: auto", "amp: off").replace("pretrained: auto", "pretrained: true")
+    text = yaml.safe_dump(base_params())
+    text = text.replace("amp: auto", "amp: off").replace("pretrained: auto", "pretrained: true")
     path.write_text(text)
     cfg = resolve(load_params(path), "optimized")
     assert cfg.train.amp == "off" and cfg.model.pretrained == "true"

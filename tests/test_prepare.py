@@ -173,7 +173,8 @@ def test_predefined_splits_are_kept_and_leakage_reported(tmp_path):
                 save_image(root / split / cls / f"{i}.png", colour_image(seed))
     # the same bytes in train and test: leakage
     (root / "test" / "a" / "copy.png").write_bytes((root / "train" / "a" / "0.png").read_bytes())
-    report = prepare(DataConfig(source=str(root), stored_size=16, image_size=16), 0, tmp_path / "p", tmp_path / "r.json")
+    cfg = DataConfig(source=str(root), stored_size=16, image_size=16)
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     assert report["predefined_splits"] is True
     assert report["splits"] == {"train": 12, "val": 4, "test": 5}
     assert len(report["leakage"]) == 1 and report["leakage"][0]["splits"] == ["test", "train"]

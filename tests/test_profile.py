@@ -350,10 +350,12 @@ def test_candidates_the_hardware_rules_out_are_not_timed_unless_asked(monkeypatc
 
     timed = []
     monkeypatch.setattr(trials_mod, "cpu_has_fast_bf16", lambda: False)
-    monkeypatch.setattr(trials_mod, "candidates", lambda *a: [("amp", {"amp": "bf16"}), ("loader", {"loader": "baseline"})])
+    two = [("amp", {"amp": "bf16"}), ("loader", {"loader": "baseline"})]
+    monkeypatch.setattr(trials_mod, "candidates", lambda *a: two)
     monkeypatch.setattr(trials_mod, "build_setup", lambda *a: object())
     monkeypatch.setattr(trials_mod, "batch_trials", lambda *a, **k: [])
-    monkeypatch.setattr(trials_mod, "paired_trial", lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
+    monkeypatch.setattr(trials_mod, "paired_trial",
+                        lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
     cfg = config(tmp_path, amp="off")
     results = trials_mod.run_trials(cfg, cfg, DistInfo(), tmp_path, None, set())
     assert timed == ["loader"] and results[0].note.startswith("not measured") and not results[0].win
@@ -372,7 +374,8 @@ def test_a_spent_time_box_notes_the_remaining_trials_instead_of_timing_them(monk
 
     timed = []
     monkeypatch.setattr(trials_mod, "build_setup", lambda *a: object())
-    monkeypatch.setattr(trials_mod, "paired_trial", lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
+    monkeypatch.setattr(trials_mod, "paired_trial",
+                        lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
     cfg = config(tmp_path)
     results = trials_mod.run_trials(cfg, cfg, DistInfo(), tmp_path, None, set(), time_box_s=0.0)
     assert timed == [] and results and all(r.note == trials_mod.OUT_OF_TIME for r in results)

@@ -213,3 +213,24 @@ def test_finished_run_or_changed_data_is_never_reused(tmp_path, prepared, capsys
     other.mkdir()
     prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 1, other, search_dirs=(fake_fmnist,))
     assert ckpt.data_fingerprint(other) != ckpt.data_fingerprint(prepared)  # another seed, another split
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_forward_times_runs_the_model_alone_in_eval_mode_and_restores_its_mode(channels_last):
+    """What evaluate reports and the profile gives the plan: eval mode (BatchNorm's running stats
+    untouched), the recipe's layout reaching the model, one untimed first call."""
+    model = timm.create_model("test_resnet", num_classes=3)
+    model.train()
+    seen = []
+
+    def record(module, args):
+        x = args[0]
+        seen.append((module.training, tuple(x.shape), x.is_contiguous(memory_format=torch.channels_last)))
+
+    model.register_forward_pre_hook(record)
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    times = engine.forward_times(model, 3, 16, channels_last, "off", torch.device("cpu"), batch=4, calls=3)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert seen == [(False, (4, 3, 16, 16), channels_last)] * 4
+    assert model.training
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in stats.items())

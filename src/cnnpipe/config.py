@@ -282,7 +282,8 @@ class VariantConfig:
         return dataclasses.asdict(self)
 
     def with_train(self, **changes: Any) -> VariantConfig:
-        """This config with `train.*` keys replaced (validated like any params value)."""
+        """This config with `train.*` keys replaced (for values from code: `__post_init__` checks the
+        ranges, not the choices of string keys; params values go through `resolve`)."""
         return dataclasses.replace(self, train=dataclasses.replace(self.train, **changes)) if changes else self
 
 

@@ -12,35 +12,13 @@ import torch
 
 from .data.loaders import build_eval_loader
 from .data.store import open_split, read_index
-from .engine import predict
+from .engine import forward_times, predict
 from .files import write_json
 from .gallery import most_confident_mistakes, save_gallery
 from .metrics import classification_summary, topk_correct
 from .monitor import peak_mem_mb, process_seconds
-from .precision import autocast
 from .stats import SMALL_TEST, wilson_interval
 from .trained import load_trained, make_transform
-
-
-@torch.no_grad()
-def inference_throughput(model: torch.nn.Module, meta: dict, device: torch.device, batch: int = 256,
-                         steps: int = 5) -> float:
-    """Images/s of the model alone on a synthetic batch: warm-up excluded, median of `steps`."""
-    x = torch.zeros(batch, meta["in_chans"], meta["image_size"], meta["image_size"], device=device)
-    if meta.get("channels_last"):
-        x = x.contiguous(memory_format=torch.channels_last)
-    times = []
-    for i in range(steps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        with autocast(meta["amp"], device):
-            model(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:  # the first call pays for allocation and kernel selection
-            times.append(time.perf_counter() - t0)
-    return batch / statistics.median(times)
 
 
 def split_warnings(images: int, carved: list[str]) -> list[str]:
@@ -75,7 +53,8 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
         "loss": summary["loss"], "ece": summary["ece"],
         "macro_f1": summary["macro_f1"], "mean_confidence": summary["mean_confidence"],
         "images": n, "eval_throughput_img_s": n / wall,
-        "model_throughput_img_s": inference_throughput(model, meta, device),
+        "model_throughput_img_s": 256 / statistics.median(forward_times(
+            model, meta["in_chans"], meta["image_size"], bool(meta.get("channels_last")), meta["amp"], device)),
         "peak_mem_mb": peak_mem_mb(device), "device": device.type, "amp": meta["amp"],
         "weights": meta["weights"],
         "warnings": split_warnings(n, read_index(prepared_dir).get("carved", [])),

@@ -25,12 +25,13 @@ from .config import VariantConfig
 from .data.loaders import TrainLoader
 from .data.store import open_split
 from .distributed import DistInfo, unwrap
-from .engine import StepContext, micro_step, no_region
+from .engine import StepContext, forward_times, micro_step, no_region, sync_device
 from .kernels import busy_fraction, tensor_core_share
-from .precision import autocast
 from .profile_format import REGIONS
 from .trainer import build_training, step_context
 from .tuning import resolve_auto
+
+INFERENCE_BATCH = 256  # evaluation's batch
 
 SYNC_EVENTS = {
     # every `.item()`, `.tolist()` or `if tensor:` reads a scalar back to Python through this op
@@ -53,18 +54,13 @@ class RegionTimer:
     def region(self, name: str) -> Iterator[None]:
         with record_function(name):
             if self.sync:
-                _sync(self.device)  # attribute GPU work to the region that queued it
+                sync_device(self.device)  # attribute GPU work to the region that queued it
             t0 = time.perf_counter()
             yield
             if self.sync:
-                _sync(self.device)
+                sync_device(self.device)
             if self.enabled:
                 self.totals[name] += time.perf_counter() - t0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _memory_frac(device: torch.device) -> float | None:
@@ -142,30 +138,12 @@ def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[st
     return times, timer.totals, cpu_util
 
 
-@torch.no_grad()
-def inference_speed(s: Setup, batch: int = 256, steps: int = 3) -> float:
-    """Images/s of the model alone at evaluation's batch (eval mode, no autograd, the recipe's
-    precision and layout): the speed validation, `evaluate` and `export` run at, for the plan.
-    Measured, because a training step's forward share overstates it by up to 2x."""
-    model = unwrap(s.ctx.model)
-    size = s.cfg.data.image_size
-    x = torch.zeros(batch, s.in_chans, size, size, device=s.device)
-    if s.cfg.train.channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    model.eval()
-    times = []
-    try:
-        for i in range(steps + 1):
-            _sync(s.device)
-            t0 = time.perf_counter()
-            with autocast(s.ctx.amp, s.device):
-                model(x)
-            _sync(s.device)
-            if i:  # the first call pays for allocation and kernel selection
-                times.append(time.perf_counter() - t0)
-    finally:
-        model.train()
-    return batch / statistics.median(times)
+def inference_times(s: Setup, calls: int = 3) -> list[float]:
+    """Seconds per forward pass of `INFERENCE_BATCH` images through this setup's model (eval mode, no
+    autograd, its precision and layout): the speed validation, `evaluate` and `export` run at, for
+    the plan. Measured, because a training step's forward share overstates it by up to 2x."""
+    return forward_times(unwrap(s.ctx.model), s.in_chans, s.cfg.data.image_size, s.cfg.train.channels_last,
+                         s.ctx.amp, s.device, batch=INFERENCE_BATCH, calls=calls)
 
 
 def _cpu_seconds() -> float:
@@ -196,11 +174,11 @@ def trace_window(s: Setup, trace_dir: Path, worker: str) -> dict[str, float | No
                  record_shapes=True, profile_memory=True) as prof:
         for i in range(p.wait + p.warmup + p.active):
             if i == p.wait + p.warmup:
-                _sync(s.device)
+                sync_device(s.device)
                 t_active = time.perf_counter()
             train_step(s, timer)
             prof.step()
-        _sync(s.device)
+        sync_device(s.device)
         wall_us = (time.perf_counter() - t_active) * 1e6
     events = prof.key_averages()
     kernels = [(e.key, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA]

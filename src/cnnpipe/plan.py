@@ -55,8 +55,8 @@ class Recipe:
     from the forward share of the training step)."""
     profile_s: float
     """What the profile stage already spent."""
-    batch_size: int = 0
-    """Per-process batch the profile measured (train.batch_size); 0: the global batch, one process."""
+    batch_size: int | None = None
+    """Per-process batch the profile measured (train.batch_size); None: the global batch, one process."""
     world_size: int = 1
     accum_steps: int = 1
     min_steps: int | None = None
@@ -69,7 +69,7 @@ class Recipe:
 
     def batch_for(self, images_per_epoch: int) -> int:
         """The per-process batch training will use when each epoch draws `images_per_epoch` images."""
-        batch = self.batch_size or self.global_batch
+        batch = self.global_batch if self.batch_size is None else self.batch_size
         return batch_for_steps(batch, self.min_steps, images_per_epoch, self.epochs, self.world_size,
                                self.accum_steps)
 

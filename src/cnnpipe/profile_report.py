@@ -46,12 +46,15 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
     lines = ["# Profile report", "", f"![step-time breakdown]({chart_name})", "",
              "| Region | " + " | ".join(profiles) + " |", "| --- |" + " ---: |" * len(profiles)]
     for region in REGIONS:
-        cells = [f"{p['fractions'].get(region, 0.0):.1%} ({p['fractions'].get(region, 0.0) * p['step_time_median_s'] * 1000:.0f} ms)"
-                 for p in profiles.values()]
+        shares = [p["fractions"].get(region, 0.0) for p in profiles.values()]
+        cells = [f"{share:.1%} ({share * p['step_time_median_s'] * 1000:.0f} ms)"
+                 for share, p in zip(shares, profiles.values())]
         lines.append(f"| {region} | " + " | ".join(cells) + " |")
     lines.append("| **step (median ± IQR)** | " + " | ".join(
-        f"{p['step_time_median_s'] * 1000:.0f} ± {p['step_time_iqr_s'] * 1000:.0f} ms" for p in profiles.values()) + " |")
-    lines.append("| **throughput** | " + " | ".join(f"{p['throughput_img_s']:.0f} img/s" for p in profiles.values()) + " |")
+        f"{p['step_time_median_s'] * 1000:.0f} ± {p['step_time_iqr_s'] * 1000:.0f} ms"
+        for p in profiles.values()) + " |")
+    lines.append("| **throughput** | "
+                 + " | ".join(f"{p['throughput_img_s']:.0f} img/s" for p in profiles.values()) + " |")
     for name, p in profiles.items():
         lines += ["", f"## {name}: bottleneck `{p['bottleneck']}`", "",
                   f"{p['device']}, {p['threads']} threads, amp={p['amp']}, batch {p['batch_size']}, "

@@ -19,7 +19,8 @@ from .decision import _best_batch, confirm_combined, tuned_settings, tuned_speed
 from .diagnosis import Facts, Recommendation, diagnose
 from .distributed import DistInfo
 from .files import write_json, write_text
-from .measure import _iqr, _memory_frac, build_setup, fractions, inference_speed, timed_steps, trace_window
+from .measure import (INFERENCE_BATCH, _iqr, _memory_frac, build_setup, fractions, inference_times, timed_steps,
+                      trace_window)
 from .monitor import peak_mem_mb
 from .profile_format import all_trials
 from .trials import Trial, out_of_time, recommended_together, run_trials, smaller_batch_trials
@@ -50,7 +51,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     times, totals, cpu_util = timed_steps(base, warmup=1, steps=max(p.active, p.trial_steps * p.trial_rounds))
     step_s = statistics.median(times)
     traced = trace_window(base, trace_dir, worker=f"{cfg.variant}_rank{info.rank}")
-    inference_img_s = inference_speed(base)
+    inference_s = inference_times(base)  # timed again at the end: the VM's speed drifts within minutes
     mem_frac = _memory_frac(info.device)
     facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=t.batch_size,
@@ -75,6 +76,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     if with_trials and combined is None and not out_of_time(time_box_s):  # (`gain` cannot be this mix's)
         combined = recommended_together(cfg, info, prepared_dir, base, results,
                                         [r.knob for r in recs if r.knob and r.knob != "batch_size"])
+    inference_s += inference_times(base)
     return {
         "variant": cfg.variant,
         "device": info.device.type,
@@ -85,7 +87,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "step_time_iqr_s": _iqr(times),
         "steps_timed": len(times),
         "throughput_img_s": base.images_per_step / step_s,
-        "inference_img_s": inference_img_s,
+        "inference_img_s": INFERENCE_BATCH / statistics.median(inference_s),
         "fractions": facts.fractions,
         "cpu_util": cpu_util,
         **traced,

@@ -13,12 +13,14 @@ import torch
 
 from .config import VariantConfig
 from .diagnosis import MEMORY_FRAC
-from .hardware import cpu_has_fast_bf16
 from .distributed import DistInfo
-from .measure import Setup, _memory_frac, _sync, build_setup, train_step
+from .engine import sync_device
+from .hardware import cpu_has_fast_bf16
+from .measure import Setup, _memory_frac, build_setup, train_step
 from .monitor import process_seconds
 from .schedule import MIN_BATCH
 from .tuning import auto_knobs
+
 
 @dataclass
 class Trial:
@@ -51,7 +53,7 @@ def _block(s: Setup, steps: int) -> list[float]:
     for _ in range(steps):
         t0 = time.perf_counter()
         train_step(s)
-        _sync(s.device)
+        sync_device(s.device)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -133,7 +135,10 @@ def run_trials(cfg: VariantConfig, requested: VariantConfig, info: DistInfo, pre
     p = cfg.profile
     results = []
     for knob, change in candidates(cfg, requested, info.device, recommended):
-        reason = OUT_OF_TIME if out_of_time(time_box_s) else ("" if p.trial_ruled_out else ruled_out(change, info.device))
+        if out_of_time(time_box_s):
+            reason = OUT_OF_TIME
+        else:  # `profile.trial_ruled_out` times what the hardware rules out too
+            reason = "" if p.trial_ruled_out else ruled_out(change, info.device)
         if reason:
             results.append(Trial(knob, change, note=reason))
             continue
@@ -232,7 +237,7 @@ def compile_trial(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, curren
         candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
         t0 = time.perf_counter()
         train_step(candidate)  # compiles forward and backward
-        _sync(info.device)
+        sync_device(info.device)
         first_step_s = time.perf_counter() - t0
         trial = paired_trial("compile", change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
     except Exception as exc:  # inductor needs a C++ compiler (CPU) or Triton (CUDA); report, do not fail

@@ -185,7 +185,8 @@ class FastTransform:
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if not self.train:
-            return eval_transform(images, self.aug.image_size, self.mean, self.std, self.memory_format == torch.channels_last)
+            channels_last = self.memory_format == torch.channels_last
+            return eval_transform(images, self.aug.image_size, self.mean, self.std, channels_last)
         x = to_nchw(images).float()
         if self.aug.scale[0] >= 1.0:  # crop_scale_min 1.0: no crop, only resize (and flip)
             x = F.interpolate(x, size=(self.aug.image_size,) * 2, mode="bilinear", antialias=True, align_corners=False)
