@@ -367,6 +367,35 @@ def test_candidates_the_hardware_rules_out_are_not_timed_unless_asked(monkeypatc
     assert trials_mod.ruled_out({"amp": "bf16"}, torch.device("cpu")) == ""
 
 
+def test_the_trial_deadline_is_the_budget_box_or_a_fifth_of_the_training(tmp_path):
+    """No trial starts after the budget's box, nor after a fifth of the whole-split training."""
+    from cnnpipe.trials import SHARE_OF_TRAINING, smaller_batches, trial_deadline
+
+    assert trial_deadline(None, 5.0) is None  # no budget: every trial, as asked
+    assert trial_deadline(90.0, 3000.0) == 90.0  # the budget's share binds
+    assert trial_deadline(90.0, 100.0) == pytest.approx(SHARE_OF_TRAINING * 100.0)  # training of seconds
+    assert smaller_batches(config(tmp_path, batch_size=256, min_steps=300)) == [128, 64]
+    assert smaller_batches(config(tmp_path, batch_size=256, min_steps=None)) == []
+
+
+def test_a_run_that_trains_for_seconds_gets_a_profile_without_trials(monkeypatch, tmp_path, prepared):
+    """Within a budget a profile takes at most a fifth of the training it informs: two epochs of the
+    tiny split train in seconds, so no trial starts, with the budget's minutes to spare; the same
+    steps in a training of days are measured."""
+    import cnnpipe.trials as trials_mod
+
+    monkeypatch.setattr(trials_mod, "process_seconds", lambda: 10.0)  # a stage's imports and first window
+    cfg = config(tmp_path)
+    result = profile_variant(cfg, DistInfo(), prepared, tmp_path / "logs" / "short", True, time_box_s=600.0)
+    assert result["trials_start_by_s"] == pytest.approx(0.2 * result["training_estimate_s"])
+    assert result["trials_start_by_s"] < 5
+    assert result["trials"] and all(t["note"] == trials_mod.OUT_OF_TIME for t in result["trials"])
+    assert result["throughput_img_s"] > 0 and result["inference_img_s"] > 0  # what the plan needs stays
+    long_run = config(tmp_path, epochs=100_000)  # the same steps, a training of days: the box binds
+    result = profile_variant(long_run, DistInfo(), prepared, tmp_path / "logs" / "long", True, time_box_s=600.0)
+    assert result["trials_start_by_s"] > 0 and any(t["speedup"] for t in result["trials"])
+
+
 def test_a_spent_time_box_notes_the_remaining_trials_instead_of_timing_them(monkeypatch, tmp_path):
     """profile.budget_share: once the stage has used its share of the budget, nothing new is timed,
     and two single wins are not shipped together unmeasured."""

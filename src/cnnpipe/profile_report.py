@@ -95,10 +95,17 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
 
 
 def _stage_time(p: dict[str, Any]) -> str:
-    """How long the stage ran, against its time box (profile.budget_share of run.budget_minutes)."""
+    """How long the stage ran, against its time box (profile.budget_share of run.budget_minutes, at
+    most a fifth of the training it informs)."""
     if p.get("stage_time_s") is None:
         return ""
-    box = f" (time box for starting trials: {p['time_box_s']:.0f} s)" if p.get("time_box_s") else ""
+    box = ""
+    if p.get("time_box_s"):
+        box = f" (time box: {p['time_box_s']:.0f} s"
+        if p.get("trials_start_by_s") is not None:  # profiles before the training cap lack it
+            box += (f"; whole-split training predicted at {p['training_estimate_s']:.0f} s; "
+                    f"no trial starts after {p['trials_start_by_s']:.0f} s")
+        box += ")"
     return f" The stage took {p['stage_time_s']:.0f} s{box}."
 
 

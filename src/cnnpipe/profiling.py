@@ -23,7 +23,8 @@ from .measure import (INFERENCE_BATCH, _iqr, _memory_frac, build_setup, fraction
                       trace_window)
 from .monitor import peak_mem_mb
 from .profile_format import all_trials
-from .trials import Trial, out_of_time, recommended_together, run_trials, smaller_batch_trials
+from .trials import (Trial, out_of_time, recommended_together, run_trials, smaller_batch_trials,
+                     trial_deadline)
 from .tuning import auto_knobs, resolve_auto
 
 
@@ -42,8 +43,9 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
                     with_trials: bool, time_box_s: float | None = None) -> dict[str, Any]:
     """Everything metrics/profile/<variant>.json holds (`tuned`: values for the `auto` knobs).
 
-    Trials whose turn comes after `time_box_s` (seconds since the process started) are noted, not
-    timed; the smaller batches' speeds are always measured, since the plan predicts with them.
+    No trial starts after `time_box_s` (seconds since the process started; None: no budget), nor after
+    a fifth of the whole-split training it informs (`trials.trial_deadline`); those are noted, not
+    timed. The smaller batches' speeds are always measured, since the plan predicts with them.
     """
     cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
     p, t = cfg.profile, cfg.train
@@ -52,6 +54,8 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     step_s = statistics.median(times)
     traced = trace_window(base, trace_dir, worker=f"{cfg.variant}_rank{info.rank}")
     inference_s = inference_times(base)  # timed again at the end: the VM's speed drifts within minutes
+    training_s = t.epochs * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
+    start_by_s = trial_deadline(time_box_s, training_s)
     mem_frac = _memory_frac(info.device)
     facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=t.batch_size,
@@ -63,17 +67,17 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     combined, smaller, gain = None, [], 1.0
     if with_trials:
         recommended = {r.knob for r in diagnose(facts)[1] if r.knob}
-        results = run_trials(cfg, requested, info, prepared_dir, base, recommended, time_box_s)
+        results = run_trials(cfg, requested, info, prepared_dir, base, recommended, start_by_s)
         best = _best_batch(results)
         facts = dataclasses.replace(facts, batch_gain=best.speedup if best else None,
                                     best_batch=best.change["batch_size"] if best else None)
         tuned, combined = confirm_combined(requested, cfg, info, prepared_dir, base, results,
-                                           tuned_settings(requested, cfg, results), time_box_s)
+                                           tuned_settings(requested, cfg, results), start_by_s)
         gain = tuned_speedup(cfg, tuned, results, combined)
-        smaller = smaller_batch_trials(requested, cfg, info, prepared_dir, base, tuned, gain, time_box_s)
+        smaller = smaller_batch_trials(requested, cfg, info, prepared_dir, base, tuned, gain, start_by_s)
     at_batch = {e["change"]["batch_size"]: e["at_batch"] for e in smaller if e["at_batch"]}
     label, recs = diagnose(facts)
-    if with_trials and combined is None and not out_of_time(time_box_s):  # (`gain` cannot be this mix's)
+    if with_trials and combined is None and not out_of_time(start_by_s):  # (`gain` cannot be this mix's)
         combined = recommended_together(cfg, info, prepared_dir, base, results,
                                         [r.knob for r in recs if r.knob and r.knob != "batch_size"])
     inference_s += inference_times(base)
@@ -100,6 +104,8 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "min_gain": p.min_gain,
         "trial_rounds": p.trial_rounds,
         "time_box_s": time_box_s,
+        "training_estimate_s": training_s,
+        "trials_start_by_s": start_by_s,
         # `at_batch`: values that differ at a batch `train.min_steps` may pick (training applies them there).
         "tuned": {**tuned, "at_batch": at_batch} if at_batch else tuned,
         "tuned_speedup": gain,

@@ -120,12 +120,35 @@ def ruled_out(change: dict[str, Any], device: torch.device) -> str:
     return ""
 
 
-OUT_OF_TIME = "not measured: the profile's share of run.budget_minutes was spent (profile.budget_share)"
+OUT_OF_TIME = ("not measured: the profile's time box was spent (profile.budget_share of run.budget_minutes, "
+               "and at most a fifth of the training it informs)")
+SHARE_OF_TRAINING = 0.2
+"""Under a budget a profile takes at most this share of the training it informs (the whole split's,
+predicted from the first timed window): a run that trains for seconds gets a profile of seconds."""
 
 
 def out_of_time(time_box_s: float | None) -> bool:
-    """True once this stage has run past its time box (seconds since the process started; None: no box)."""
+    """True once no trial may start: past `time_box_s` seconds since the process started (None: no box)."""
     return time_box_s is not None and process_seconds() > time_box_s
+
+
+def trial_deadline(box_s: float | None, training_s: float) -> float | None:
+    """The last moment (seconds since the process started) a trial may start: `box_s` (the budget's
+    share; None: no budget, no deadline) or SHARE_OF_TRAINING of `training_s`, whichever is sooner."""
+    if box_s is None:
+        return None
+    return min(box_s, SHARE_OF_TRAINING * training_s)
+
+
+def smaller_batches(cfg: VariantConfig) -> list[int]:
+    """The batches `train.min_steps` may halve the recipe's batch to (none without `min_steps`)."""
+    if cfg.train.min_steps is None:
+        return []
+    out, batch = [], cfg.train.batch_size // 2
+    while batch >= MIN_BATCH:
+        out.append(batch)
+        batch //= 2
+    return out
 
 
 def run_trials(cfg: VariantConfig, requested: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
@@ -203,12 +226,10 @@ def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: Dis
     the recipe's speed by `speed_vs_tuned`, and training takes `at_batch` values at that batch.
     Past the time box only the speeds are measured, not the re-tuning.
     """
-    if cfg.train.min_steps is None:
-        return []
-    p, out, batch = cfg.profile, [], cfg.train.batch_size // 2
+    p, out = cfg.profile, []
     recipe = cfg.with_train(**tuned)
     retune = [k for k in BATCH_SENSITIVE if k in auto_knobs(requested)]
-    while batch >= MIN_BATCH:
+    for batch in smaller_batches(cfg):
         at_batch = build_setup(recipe.with_train(batch_size=batch), info, prepared_dir)
         trial = paired_trial("smaller_batch", {"batch_size": batch}, current, at_batch, p.trial_rounds,
                              p.trial_steps, p.min_gain)
@@ -226,7 +247,6 @@ def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: Dis
         entry["speed_vs_tuned"] = trial.speedup * gain / tuned_gain
         out.append(entry)
         del at_batch
-        batch //= 2
     return out
 
 
