@@ -180,6 +180,32 @@ def test_a_mix_of_winners_is_measured_before_it_is_kept(tmp_path, prepared):
         assert kept == {**tuned, "num_workers": current.train.num_workers} and "kept only" in combined.note
 
 
+@pytest.mark.parametrize("second_wins", [True, False])
+def test_a_single_winner_is_measured_again_before_it_is_kept(monkeypatch, tmp_path, second_wins):
+    """One winning trial is not enough on a drifting VM: a second trial of its own decides."""
+    import cnnpipe.decision as decision
+
+    requested = config(tmp_path)
+    current = resolve_auto(requested, torch.device("cpu"))
+    measured = []
+    monkeypatch.setattr(decision, "build_setup", lambda *a: object())
+    monkeypatch.setattr(decision, "paired_trial", lambda knob, change, *a: measured.append((knob, change))
+                        or Trial(knob, change, 1.2 if second_wins else 0.97, win=second_wins))
+    flip = {"loader": "baseline" if current.train.loader == "fast" else "fast"}
+    trials = [Trial("loader", flip, 1.08, (1.06, 1.36), win=True)]
+    tuned = tuned_settings(requested, current, trials)
+    kept, confirm = confirm_combined(requested, current, DistInfo(), tmp_path, None, trials, tuned)
+    assert measured == [("confirm", flip)] and confirm.knob == "confirm"
+    if second_wins:
+        assert kept == tuned and tuned_speedup(current, kept, trials, confirm) == 1.2
+    else:
+        assert kept["loader"] == current.train.loader and "default kept" in confirm.note
+        assert tuned_speedup(current, kept, trials, confirm) == 1.0
+    measured.clear()  # past the time box the one measured win stands, with nothing timed
+    assert confirm_combined(requested, current, DistInfo(), tmp_path, None, trials, tuned, 0.0) == (tuned, None)
+    assert measured == []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -79,7 +79,7 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
                       "| --- | ---: | ---: | :---: | --- |"]
             for t in trials:
                 change = ", ".join(f"{k}={v}" for k, v in t["change"].items())
-                if t["knob"] in ("combined", "recommended"):
+                if t["knob"] in ("combined", "confirm", "recommended"):
                     change = f"**{t['knob']}**: {change}"
                 low, high = t["speedup_range"]
                 speed = (f"{t['before_img_s']:.0f} → {t['after_img_s']:.0f} img/s" if t["speedup"] else "—")
