@@ -413,7 +413,7 @@ def test_a_run_that_trains_for_seconds_gets_a_profile_without_trials(monkeypatch
     monkeypatch.setattr(trials_mod, "process_seconds", lambda: 10.0)  # a stage's imports and first window
     cfg = config(tmp_path)
     result = profile_variant(cfg, DistInfo(), prepared, tmp_path / "logs" / "short", True, time_box_s=600.0)
-    assert result["trials_start_by_s"] == pytest.approx(0.2 * result["training_estimate_s"])
+    assert result["trials_start_by_s"] == pytest.approx(trials_mod.SHARE_OF_TRAINING * result["training_estimate_s"])
     assert result["trials_start_by_s"] < 5
     assert result["trials"] and all(t["note"] == trials_mod.OUT_OF_TIME for t in result["trials"])
     assert result["throughput_img_s"] > 0 and result["inference_img_s"] > 0  # what the plan needs stays
