@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cnnpipe.config import load_params, resolve
 from cnnpipe.data import idx
 from cnnpipe.data.prepare import prepare_fashion_mnist
-from cnnpipe.distributed import DistInfo
-from cnnpipe.profile_report import write_report
-from cnnpipe.profiling import profile_variant, save_profile, summary
+from cnnpipe.params import load_params, resolve
+from cnnpipe.profile.report import write_report
+from cnnpipe.profile.run import profile_variant, save_profile, summary
+from cnnpipe.train.distributed import DistInfo
 
 
 def synthetic_idx(out: Path, train: int, test: int) -> Path:

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import yaml
 
-from cnnpipe.config import VariantConfig, load_params, resolve
-from cnnpipe.distributed import init_distributed
+from cnnpipe.config import VariantConfig
 from cnnpipe.hardware import cpu_report
-from cnnpipe.measure import Setup, build_setup, train_step
-from cnnpipe.trainer import set_threads
-from cnnpipe.tuning import read_tuned, resolve_auto
+from cnnpipe.params import load_params, resolve
+from cnnpipe.profile.measure import Setup, build_setup, train_step
+from cnnpipe.train.distributed import init_distributed
+from cnnpipe.train.trainer import set_threads
+from cnnpipe.train.tuning import read_tuned, resolve_auto
 
 
 def recipes(raw: dict, batch: int, tuned_dir: Path, flips: list[str], device) -> dict[str, VariantConfig]:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from cnnpipe.config import data_config, load_params
 from cnnpipe.data.prepare import prepare
+from cnnpipe.params import data_config, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 

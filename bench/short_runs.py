@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from cnnpipe.config import load_params, resolve
 from cnnpipe.data.store import read_index
-from cnnpipe.distributed import init_distributed
 from cnnpipe.hardware import cpu_report
-from cnnpipe.plan import images_for
-from cnnpipe.trainer import fit
-from cnnpipe.tuning import read_tuned
+from cnnpipe.params import load_params, resolve
+from cnnpipe.plan.plan import images_for
+from cnnpipe.train.distributed import init_distributed
+from cnnpipe.train.trainer import fit
+from cnnpipe.train.tuning import read_tuned
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from cnnpipe.precision import autocast
+from cnnpipe.train.precision import autocast
 
 
 def step_time(model_name: str, size: int, batch: int, amp: str, channels_last: bool, device: torch.device,

@@ -26,17 +26,18 @@ from pathlib import Path
 
 import torch
 
-from cnnpipe.config import VariantConfig, load_params, resolve
+from cnnpipe.config import VariantConfig
 from cnnpipe.data.loaders import build_eval_loader
 from cnnpipe.data.store import open_split
-from cnnpipe.distributed import DistInfo, init_distributed
-from cnnpipe.engine import evaluate_top1
-from cnnpipe.trained import make_transform
 from cnnpipe.hardware import cpu_report
 from cnnpipe.models import model_mean_std
-from cnnpipe.precision import resolve_amp
-from cnnpipe.trainer import fit
-from cnnpipe.tuning import read_tuned, resolve_auto
+from cnnpipe.params import load_params, resolve
+from cnnpipe.train.distributed import DistInfo, init_distributed
+from cnnpipe.train.engine import evaluate_top1
+from cnnpipe.train.precision import resolve_amp
+from cnnpipe.train.trained import make_transform
+from cnnpipe.train.trainer import fit
+from cnnpipe.train.tuning import read_tuned, resolve_auto
 
 
 class Stop(Exception):

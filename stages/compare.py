@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from cnnpipe.compare import compare, load_variant, plan_vs_actual, to_markdown
+from cnnpipe.evaluate.compare import compare, load_variant, plan_vs_actual, to_markdown
 
 
 def main() -> int:

@@ -4,10 +4,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from cnnpipe.checkpoint import UnsafeCheckpoint
-from cnnpipe.config import ParamsError, load_params, resolve
-from cnnpipe.distributed import resolve_device
-from cnnpipe.evaluation import evaluate
+from cnnpipe.evaluate.evaluation import evaluate
+from cnnpipe.params import ParamsError, load_params, resolve
+from cnnpipe.train.checkpoint import UnsafeCheckpoint
+from cnnpipe.train.distributed import resolve_device
 
 
 def main() -> int:

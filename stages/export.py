@@ -4,8 +4,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from cnnpipe.budget import read_budget
-from cnnpipe.export import OPSET, export_model
+from cnnpipe.deploy.export import OPSET, export_model
+from cnnpipe.train.budget import read_budget
 
 
 def main(argv: list[str] | None = None) -> int:

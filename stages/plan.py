@@ -7,12 +7,12 @@ from pathlib import Path
 
 import yaml
 
-from cnnpipe.config import ParamsError, run_config, load_params, resolve
 from cnnpipe.data.store import read_index
 from cnnpipe.files import write_json, write_text
 from cnnpipe.hardware import cpu_report
-from cnnpipe.budget import read_budget
-from cnnpipe.plan import budget_values, make_plan, recipe_from_profile, to_text
+from cnnpipe.params import ParamsError, load_params, resolve, run_config
+from cnnpipe.plan.plan import budget_values, make_plan, recipe_from_profile, to_text
+from cnnpipe.train.budget import read_budget
 
 
 def main() -> int:

@@ -4,9 +4,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from cnnpipe.config import ParamsError, data_config, load_params
 from cnnpipe.data.idx import DatasetMissing
 from cnnpipe.data.prepare import DataError, prepare
+from cnnpipe.params import ParamsError, data_config, load_params
 
 
 def main() -> int:

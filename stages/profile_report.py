@@ -4,8 +4,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from cnnpipe.config import load_params
-from cnnpipe.profile_report import write_report
+from cnnpipe.params import load_params
+from cnnpipe.profile.report import write_report
 
 
 def main() -> int:

@@ -9,11 +9,11 @@ from pathlib import Path
 # (every training loop has them); set before torch loads, and only warnings go (errors still print).
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from cnnpipe.config import ParamsError, load_params, resolve, run_config
-from cnnpipe.distributed import init_distributed
 from cnnpipe.monitor import process_seconds
-from cnnpipe.profiling import profile_variant, save_profile, summary
-from cnnpipe.trainer import set_threads
+from cnnpipe.params import ParamsError, load_params, resolve, run_config
+from cnnpipe.profile.run import profile_variant, save_profile, summary
+from cnnpipe.train.distributed import init_distributed
+from cnnpipe.train.trainer import set_threads
 
 
 def main() -> int:

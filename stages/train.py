@@ -8,15 +8,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from cnnpipe.checkpoint import UnsafeCheckpoint
-from cnnpipe.config import ParamsError, load_params, resolve
-from cnnpipe.distributed import cleanup, init_distributed
-from cnnpipe.engine import NonFiniteLoss
-from cnnpipe.launch import needs_torchrun, relaunch
+from cnnpipe.files import DiskFull
 from cnnpipe.models import WeightsUnavailable
-from cnnpipe.budget import apply_budget, read_budget
-from cnnpipe.trainer import fit
-from cnnpipe.tuning import read_tuned
+from cnnpipe.params import ParamsError, load_params, resolve
+from cnnpipe.train.budget import apply_budget, read_budget
+from cnnpipe.train.checkpoint import UnsafeCheckpoint
+from cnnpipe.train.distributed import cleanup, init_distributed
+from cnnpipe.train.engine import NonFiniteLoss
+from cnnpipe.train.launch import needs_torchrun, relaunch
+from cnnpipe.train.trainer import fit
+from cnnpipe.train.tuning import read_tuned
 
 
 def main() -> int:
@@ -47,7 +48,8 @@ def main() -> int:
         fit(cfg, info, Path(args.data), Path(args.models) / args.variant,
             Path(args.metrics) / args.variant / "train.json", Path(args.metrics) / args.variant / "live",
             tuned=read_tuned(Path(args.tuned)) if args.tuned else None)
-    except (WeightsUnavailable, NonFiniteLoss, UnsafeCheckpoint, ValueError, FileNotFoundError) as exc:
+    except (WeightsUnavailable, NonFiniteLoss, UnsafeCheckpoint, DiskFull, ValueError,
+            FileNotFoundError) as exc:
         print(f"train[{args.variant}]: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cnnpipe.compare import compare, load_variant, paired_significance, speed_spread, to_markdown
-from cnnpipe.evaluation import split_warnings
-from cnnpipe.stats import mcnemar_exact, median_iqr, ratio_range, wilson_interval
+from cnnpipe.evaluate.compare import compare, load_variant, paired_significance, speed_spread, to_markdown
+from cnnpipe.evaluate.evaluation import split_warnings
+from cnnpipe.evaluate.stats import mcnemar_exact, median_iqr, ratio_range, wilson_interval
 from conftest import ROOT
 
 
@@ -128,7 +128,7 @@ def test_the_default_runs_committed_comparison_reads_back(tmp_path):
 
 
 def test_every_stage_is_set_beside_its_prediction_with_the_training_share():
-    from cnnpipe.compare import plan_vs_actual
+    from cnnpipe.evaluate.compare import plan_vs_actual
 
     plan = {"budget_minutes": 20, "images_per_epoch": 3328, "fraction": 1 / 16, "predicted_total_s": 1000.0,
             "profile_s": {"profile@baseline": 50.0, "profile@optimized": 100.0},

@@ -1,15 +1,14 @@
 """params.yaml validation: every bad value names its key, its value and what is allowed."""
 
+import dataclasses
+
 import pytest
 import torch
 import yaml
 
-import dataclasses
-
-from cnnpipe.config import (DataConfig, ModelConfig, ParamsError, ProfileConfig, RunConfig, TrainConfig, build_section,
-                            load_params, resolve)
-from cnnpipe.tuning import resolve_auto
-
+from cnnpipe.config import DataConfig, ModelConfig, ParamsError, ProfileConfig, RunConfig, TrainConfig
+from cnnpipe.params import build_section, load_params, resolve
+from cnnpipe.train.tuning import resolve_auto
 from conftest import ROOT, base_params, write_params
 
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cnnpipe.config import resolve
 from cnnpipe.data.prepare import prepare_fashion_mnist
-
+from cnnpipe.params import resolve
 from conftest import ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow

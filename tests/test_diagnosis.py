@@ -2,9 +2,18 @@
 
 import pytest
 
-from cnnpipe.diagnosis import (BUSY_FRAC, COMM_FRAC, INPUT_WAIT_FRAC, MEMORY_FRAC, SYNC_COUNT, SYNC_FRAC,
-                               TENSOR_CORE_FRAC, Facts, diagnose)
-from cnnpipe.kernels import busy_fraction, is_matrix_kernel, is_tensor_core_kernel, tensor_core_share
+from cnnpipe.profile.diagnosis import (
+    BUSY_FRAC,
+    COMM_FRAC,
+    INPUT_WAIT_FRAC,
+    MEMORY_FRAC,
+    SYNC_COUNT,
+    SYNC_FRAC,
+    TENSOR_CORE_FRAC,
+    Facts,
+    diagnose,
+)
+from cnnpipe.profile.kernels import busy_fraction, is_matrix_kernel, is_tensor_core_kernel, tensor_core_share
 
 COMPUTE = {"data_wait": 0.0, "copy": 0.0, "augment": 0.0, "forward": 0.3, "backward": 0.6, "optimizer": 0.1,
            "sync": 0.0}

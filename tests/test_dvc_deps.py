@@ -106,5 +106,62 @@ def test_package_inits_hold_no_code():
 def test_the_walker_follows_relative_and_function_level_imports(tmp_path):
     """The walker itself: evaluate.py reaches engine.py only through evaluation.py."""
     found = transitive_modules(ROOT / "stages" / "evaluate.py")
-    assert {"src/cnnpipe/evaluation.py", "src/cnnpipe/engine.py", "src/cnnpipe/distributed.py"} <= found
-    assert "src/cnnpipe/trainer.py" not in found
+    assert {"src/cnnpipe/evaluate/evaluation.py", "src/cnnpipe/train/engine.py",
+            "src/cnnpipe/train/distributed.py"} <= found
+    assert "src/cnnpipe/train/trainer.py" not in found
+
+
+ENTRY_POINTS = {PACKAGE / "predict.py"}
+"""`python -m cnnpipe.predict`: a root-level name for deploy's CLI, like a stage script (imports, holds no logic)."""
+
+
+def _package(path: Path) -> str:
+    """The subpackage a file belongs to (`train`, `profile`, ...), or "" for a root module."""
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Which packages each package imports ("" = the root modules), over every file under src/cnnpipe."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path in ENTRY_POINTS:
+            continue
+        graph.setdefault(_package(path), set()).update(_package(m) for m in imported_modules(path))
+    return graph
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    todo, seen = [start], set()
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt == goal:
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return False
+
+
+def test_no_package_imports_one_that_depends_on_it():
+    """Layers: root modules (config, params, files, hardware, models, monitor) < data < train < the
+    stage packages (profile, plan, evaluate, deploy). What two packages share lives below both."""
+    graph = package_graph()
+    assert graph[""] <= {""}, f"root modules import packages {sorted(graph[''] - {''})}: move the code down"
+    upward = [(a, b) for a, deps in graph.items() for b in deps if a != b and _reaches(graph, b, a)]
+    assert not upward, f"imports that run against the layers (package pairs that import each other): {upward}"
+    assert "data" not in graph or graph["data"] <= {"", "data"}
+    assert graph["train"] <= {"", "data", "train"}
+
+
+def test_the_layer_check_sees_an_upward_import(monkeypatch):
+    """The check itself: an import from train into profile (which imports train) is a cycle it finds."""
+    real = imported_modules
+
+    def with_upward(path: Path) -> set[Path]:
+        found = real(path)
+        return found | {PACKAGE / "profile" / "trials.py"} if path.name == "engine.py" else found
+
+    monkeypatch.setitem(globals(), "imported_modules", with_upward)
+    graph = package_graph()
+    assert "profile" in graph["train"] and _reaches(graph, "profile", "train")

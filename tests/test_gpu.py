@@ -3,15 +3,14 @@
 import pytest
 import torch
 
-from cnnpipe.config import load_params, resolve
-from cnnpipe.distributed import DistInfo
-from cnnpipe.monitor import GpuUtilSampler
-from cnnpipe.precision import grad_scaler, resolve_amp
-from cnnpipe.diagnosis import Facts, diagnose
-from cnnpipe.measure import build_setup, timed_steps, trace_window
-from cnnpipe.profiling import profile_variant
 from cnnpipe.data.prepare import prepare_fashion_mnist
-
+from cnnpipe.monitor import GpuUtilSampler
+from cnnpipe.params import load_params, resolve
+from cnnpipe.profile.diagnosis import Facts, diagnose
+from cnnpipe.profile.measure import build_setup, timed_steps, trace_window
+from cnnpipe.profile.run import profile_variant
+from cnnpipe.train.distributed import DistInfo
+from cnnpipe.train.precision import grad_scaler, resolve_amp
 from conftest import tiny_params, write_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

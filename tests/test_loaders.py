@@ -5,10 +5,17 @@ import pytest
 import torch
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.loaders import (AugmentConfig, ShardSampler, build_eval_loader, build_train_loader,
-                                  eval_transform, random_resized_crop)
+from cnnpipe.data.loaders import (
+    AugmentConfig,
+    ShardSampler,
+    build_eval_loader,
+    build_train_loader,
+    eval_transform,
+    random_resized_crop,
+)
 from cnnpipe.data.prepare import prepare_fashion_mnist
-from cnnpipe.data.store import balanced_subset, open_split
+from cnnpipe.data.split import balanced_subset
+from cnnpipe.data.store import open_split
 
 
 @pytest.fixture(scope="module")

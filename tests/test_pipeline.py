@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cnnpipe.precision import cpu_has_fast_bf16
+from cnnpipe.train.precision import cpu_has_fast_bf16
 from conftest import ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow

@@ -4,13 +4,11 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ROOT, tiny_params, write_params
 
 from cnnpipe import hardware
-from cnnpipe.budget import apply_budget
-from cnnpipe.config import ParamsError, load_params, resolve, run_config
 from cnnpipe.data.loaders import ShardSampler
-from cnnpipe.plan import (
+from cnnpipe.params import ParamsError, load_params, resolve, run_config
+from cnnpipe.plan.plan import (
     LADDER,
     PARITY_UNDER_BUDGET,
     VAL_UNDER_BUDGET,
@@ -22,7 +20,9 @@ from cnnpipe.plan import (
     stage_seconds,
     to_text,
 )
-from cnnpipe.schedule import MIN_BATCH, batch_for_steps, steps_per_run
+from cnnpipe.train.budget import apply_budget
+from cnnpipe.train.schedule import MIN_BATCH, batch_for_steps, steps_per_run
+from conftest import ROOT, tiny_params, write_params
 
 # Fashion-MNIST's split sizes and this machine's measured speeds (dvc.lock run, img/s).
 N_TRAIN, N_VAL, N_TEST = 54_000, 6_000, 10_000

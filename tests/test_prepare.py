@@ -11,9 +11,9 @@ from PIL import Image
 from cnnpipe.config import DataConfig
 from cnnpipe.data import idx
 from cnnpipe.data.decode import decode_file, to_rgb
-from cnnpipe.data.prepare import DataError, prepare, prepare_fashion_mnist, stratified_split
+from cnnpipe.data.prepare import DataError, prepare, prepare_fashion_mnist
+from cnnpipe.data.split import stratified_split
 from cnnpipe.data.store import open_split, read_index
-
 from conftest import colour_image, save_image
 
 

@@ -12,18 +12,17 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from cnnpipe.config import load_params, resolve
-from cnnpipe.data.loaders import TrainLoader, ShardSampler
+from cnnpipe.data.loaders import ShardSampler, TrainLoader
 from cnnpipe.data.prepare import prepare_fashion_mnist
-from cnnpipe.diagnosis import Facts, diagnose
-from cnnpipe.distributed import DistInfo
-from cnnpipe.decision import confirm_combined, tuned_settings, tuned_speedup
-from cnnpipe.measure import build_setup, fractions, timed_steps, trace_window
-from cnnpipe.profiling import profile_variant, summary
-from cnnpipe.trials import Trial, candidates, compile_trial, paired_trial
-from cnnpipe.tuning import resolve_auto
-from cnnpipe.profile_report import to_markdown, write_report
-
+from cnnpipe.params import load_params, resolve
+from cnnpipe.profile.decision import confirm_winners, tuned_settings, tuned_speedup
+from cnnpipe.profile.diagnosis import Facts, diagnose
+from cnnpipe.profile.measure import build_setup, fractions, timed_steps, trace_window
+from cnnpipe.profile.report import to_markdown, write_report
+from cnnpipe.profile.run import profile_variant, summary
+from cnnpipe.profile.trials import Trial, candidates, compile_trial, paired_trial
+from cnnpipe.train.distributed import DistInfo
+from cnnpipe.train.tuning import resolve_auto
 from conftest import tiny_params, write_params
 
 
@@ -172,7 +171,7 @@ def test_a_mix_of_winners_is_measured_before_it_is_kept(tmp_path, prepared):
     trials = [Trial("channels_last", {"channels_last": False}, 1.3, (1.2, 1.4), win=True),
               Trial("num_workers", {"num_workers": 1}, 1.1, (1.06, 1.2), win=True)]
     tuned = tuned_settings(requested, current, trials)
-    kept, combined = confirm_combined(requested, current, DistInfo(), prepared, base, trials, tuned)
+    kept, combined = confirm_winners(requested, current, DistInfo(), prepared, base, trials, tuned)
     assert combined is not None and combined.change == {"channels_last": False, "num_workers": 1}
     if combined.win:
         assert kept == tuned
@@ -183,7 +182,7 @@ def test_a_mix_of_winners_is_measured_before_it_is_kept(tmp_path, prepared):
 @pytest.mark.parametrize("second_wins", [True, False])
 def test_a_single_winner_is_measured_again_before_it_is_kept(monkeypatch, tmp_path, second_wins):
     """One winning trial is not enough on a drifting VM: a second trial of its own decides."""
-    import cnnpipe.decision as decision
+    import cnnpipe.profile.decision as decision
 
     requested = config(tmp_path)
     current = resolve_auto(requested, torch.device("cpu"))
@@ -194,7 +193,7 @@ def test_a_single_winner_is_measured_again_before_it_is_kept(monkeypatch, tmp_pa
     flip = {"loader": "baseline" if current.train.loader == "fast" else "fast"}
     trials = [Trial("loader", flip, 1.08, (1.06, 1.36), win=True)]
     tuned = tuned_settings(requested, current, trials)
-    kept, confirm = confirm_combined(requested, current, DistInfo(), tmp_path, None, trials, tuned)
+    kept, confirm = confirm_winners(requested, current, DistInfo(), tmp_path, None, trials, tuned)
     assert measured == [("confirm", flip)] and confirm.knob == "confirm"
     if second_wins:
         assert kept == tuned and tuned_speedup(current, kept, trials, confirm) == 1.2
@@ -202,7 +201,7 @@ def test_a_single_winner_is_measured_again_before_it_is_kept(monkeypatch, tmp_pa
         assert kept["loader"] == current.train.loader and "default kept" in confirm.note
         assert tuned_speedup(current, kept, trials, confirm) == 1.0
     measured.clear()  # past the time box the one measured win stands, with nothing timed
-    assert confirm_combined(requested, current, DistInfo(), tmp_path, None, trials, tuned, 0.0) == (tuned, None)
+    assert confirm_winners(requested, current, DistInfo(), tmp_path, None, trials, tuned, 0.0) == (tuned, None)
     assert measured == []
 
 
@@ -261,7 +260,7 @@ def test_compile_is_judged_over_the_whole_run(tmp_path, prepared):
 
 
 def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(monkeypatch, tmp_path):
-    import cnnpipe.trials as prof
+    import cnnpipe.profile.trials as prof
 
     cfg = resolve_auto(config(tmp_path, batch_size=16), torch.device("cpu"))
     speeds = iter([1.10, 1.12, 1.5])  # vs the current batch: x2 pays, x4 adds under 5% over x2
@@ -285,7 +284,7 @@ def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(mo
 
 
 def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(monkeypatch, tmp_path):
-    import cnnpipe.trials as prof
+    import cnnpipe.profile.trials as prof
 
     measured = []
 
@@ -342,7 +341,7 @@ def test_training_takes_the_values_tuned_at_its_batch(tmp_path):
 def test_paired_trial_win_rule(monkeypatch, candidate_times, rounds_run, win):
     import types
 
-    import cnnpipe.trials as prof
+    import cnnpipe.profile.trials as prof
 
     current, candidate = types.SimpleNamespace(images_per_step=100), types.SimpleNamespace(images_per_step=100)
     calls = {"current": 0, "candidate": 0}
@@ -372,7 +371,7 @@ def test_trials_follow_the_diagnosis(tmp_path):
 
 def test_candidates_the_hardware_rules_out_are_not_timed_unless_asked(monkeypatch, tmp_path):
     """bf16 on a CPU without avx512_bf16/amx_bf16: noted, not measured (minutes saved on such CPUs)."""
-    import cnnpipe.trials as trials_mod
+    import cnnpipe.profile.trials as trials_mod
 
     timed = []
     monkeypatch.setattr(trials_mod, "cpu_has_fast_bf16", lambda: False)
@@ -395,7 +394,7 @@ def test_candidates_the_hardware_rules_out_are_not_timed_unless_asked(monkeypatc
 
 def test_the_trial_deadline_is_the_budget_box_or_a_fifth_of_the_training(tmp_path):
     """No trial starts after the budget's box, nor after a fifth of the whole-split training."""
-    from cnnpipe.trials import SHARE_OF_TRAINING, smaller_batches, trial_deadline
+    from cnnpipe.profile.trials import SHARE_OF_TRAINING, smaller_batches, trial_deadline
 
     assert trial_deadline(None, 5.0) is None  # no budget: every trial, as asked
     assert trial_deadline(90.0, 3000.0) == 90.0  # the budget's share binds
@@ -408,7 +407,7 @@ def test_a_run_that_trains_for_seconds_gets_a_profile_without_trials(monkeypatch
     """Within a budget a profile takes at most a fifth of the training it informs: two epochs of the
     tiny split train in seconds, so no trial starts, with the budget's minutes to spare; the same
     steps in a training of days are measured."""
-    import cnnpipe.trials as trials_mod
+    import cnnpipe.profile.trials as trials_mod
 
     monkeypatch.setattr(trials_mod, "process_seconds", lambda: 10.0)  # a stage's imports and first window
     cfg = config(tmp_path)
@@ -425,7 +424,7 @@ def test_a_run_that_trains_for_seconds_gets_a_profile_without_trials(monkeypatch
 def test_a_spent_time_box_notes_the_remaining_trials_instead_of_timing_them(monkeypatch, tmp_path):
     """profile.budget_share: once the stage has used its share of the budget, nothing new is timed,
     and two single wins are not shipped together unmeasured."""
-    import cnnpipe.trials as trials_mod
+    import cnnpipe.profile.trials as trials_mod
 
     timed = []
     monkeypatch.setattr(trials_mod, "build_setup", lambda *a: object())
@@ -438,7 +437,35 @@ def test_a_spent_time_box_notes_the_remaining_trials_instead_of_timing_them(monk
     wins = [Trial("amp", {"amp": "off"}, 1.2, win=True), Trial("loader", {"loader": "baseline"}, 1.1, win=True)]
     requested = config(tmp_path, amp="auto", loader="auto")
     current = resolve_auto(requested, torch.device("cpu"))
-    kept, combined = confirm_combined(requested, current, DistInfo(), tmp_path, None, wins,
+    kept, combined = confirm_winners(requested, current, DistInfo(), tmp_path, None, wins,
                                       tuned_settings(requested, current, wins), time_box_s=0.0)
     assert kept["amp"] == "off" and kept["loader"] == current.train.loader
     assert combined.note.startswith("not measured") and "kept only amp=off" in combined.note
+
+
+def test_the_breakdown_compares_recipes_per_image_not_per_step(tmp_path, monkeypatch):
+    """A batch-256 recipe at 256 img/s steps 4x longer than a batch-64 one at 141 img/s but is faster
+    per image: the chart's bars are time per 1,000 images, each labelled with batch and img/s."""
+    from cnnpipe.profile import report
+
+    fractions = {"forward": 0.3, "backward": 0.7}
+    profiles = {"optimized": {"step_time_median_s": 1.0, "batch_size": 256, "throughput_img_s": 256.0,
+                              "fractions": fractions},
+                "baseline": {"step_time_median_s": 0.454, "batch_size": 64, "throughput_img_s": 141.0,
+                             "fractions": fractions}}
+    drawn = {}
+
+    def barh(self, names, widths, left, **kwargs):
+        drawn.setdefault(tuple(names), [0.0] * len(names))
+        drawn[tuple(names)] = [a + b for a, b in zip(drawn[tuple(names)], widths)]
+
+    import matplotlib.axes
+
+    texts = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", barh)
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda self, x, y, s, **kw: texts.append(s))
+    report.bar_chart(profiles, tmp_path / "b.png")
+    (total,) = drawn.values()
+    assert total == pytest.approx([1000 / 256, 0.454 / 64 * 1000])  # seconds per 1,000 images
+    assert total[0] < total[1]
+    assert texts == ["  batch 256, 256 img/s", "  batch 64, 141 img/s"]

@@ -1,5 +1,6 @@
 """The training engine on the CPU with a tiny timm model and tiny synthetic data."""
 
+import errno
 import json
 import math
 import os
@@ -10,14 +11,15 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from cnnpipe import checkpoint as ckpt
-from cnnpipe import engine, trainer
-from cnnpipe.config import ModelConfig, load_params, resolve
+from cnnpipe.config import ModelConfig
 from cnnpipe.data.prepare import prepare_fashion_mnist
-from cnnpipe.distributed import DistInfo
+from cnnpipe.files import DiskFull
 from cnnpipe.models import WeightsUnavailable, create_model
-from cnnpipe.schedule import lr_at, warmup_steps
-
+from cnnpipe.params import load_params, resolve
+from cnnpipe.train import checkpoint as ckpt
+from cnnpipe.train import engine, trainer
+from cnnpipe.train.distributed import DistInfo
+from cnnpipe.train.schedule import lr_at, warmup_steps
 from conftest import tiny_params, write_params
 
 
@@ -234,3 +236,61 @@ def test_forward_times_runs_the_model_alone_in_eval_mode_and_restores_its_mode(c
     assert seen == [(False, (4, 3, 16, 16), channels_last)] * 4
     assert model.training
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in stats.items())
+
+
+class _FillsUp:
+    """A file that takes `room` bytes, then fails like a full disk (errno 28)."""
+
+    def __init__(self, path, room: int):
+        self.fh, self.room = open(path, "wb"), room
+
+    def write(self, data) -> int:
+        if self.fh.tell() + len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+
+def test_a_full_disk_is_one_clear_message_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """torch.save into a disk that fills up: one DiskFull naming the file and the space, no .tmp left,
+    the previous checkpoint intact."""
+    state = {"model": {"w": torch.ones(256, 256)}, "epoch": 1}
+    path = tmp_path / "last.pt"
+    ckpt.save_atomic(state, path)
+    before = path.read_bytes()
+    monkeypatch.setattr(ckpt, "open", lambda p, mode: _FillsUp(p, room=4096), raising=False)
+    with pytest.raises(DiskFull) as err:
+        ckpt.save_atomic({**state, "epoch": 2}, path)
+    message = str(err.value)
+    assert str(path) in message and "disk is full" in message
+    assert f"needs about {ckpt.state_bytes(state) / 2**10:,.1f} KB" in message and "free on" in message
+    assert "previous last.pt is intact" in message and "rerun" in message
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # one message, not two tracebacks
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"] and path.read_bytes() == before
+
+
+def test_other_write_errors_pass_through_and_leave_no_temp_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt.torch, "save", lambda *a: (_ for _ in ()).throw(RuntimeError("not a disk problem")))
+    with pytest.raises(RuntimeError, match="not a disk problem"):
+        ckpt.save_atomic({"epoch": 1}, tmp_path / "last.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_writing_a_metrics_file(tmp_path, monkeypatch):
+    from cnnpipe import files
+
+    target = tmp_path / "train.json"
+    files.write_json(target, {"a": 1})
+    monkeypatch.setattr(files.Path, "write_bytes", lambda self, data: (_ for _ in ()).throw(
+        OSError(errno.EDQUOT, "Disk quota exceeded")))
+    with pytest.raises(DiskFull, match=r"train.json: the disk is full .* previous train.json is unchanged"):
+        files.write_json(target, {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 1} and not (tmp_path / "train.json.tmp").exists()

@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from cnnpipe import checkpoint as ckpt
-from cnnpipe import export, predict, trainer
-from cnnpipe.config import load_params, resolve
 from cnnpipe.data.loaders import build_eval_loader
 from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.data.store import open_split
-from cnnpipe.distributed import DistInfo
-from cnnpipe.engine import predict as engine_predict
-from cnnpipe.evaluation import evaluate
-from cnnpipe.trained import load_trained, make_transform
-from cnnpipe.gallery import most_confident_mistakes
-
+from cnnpipe.deploy import export, predict
+from cnnpipe.evaluate.evaluation import evaluate
+from cnnpipe.evaluate.gallery import most_confident_mistakes
+from cnnpipe.params import load_params, resolve
+from cnnpipe.train import checkpoint as ckpt
+from cnnpipe.train import trainer
+from cnnpipe.train.distributed import DistInfo
+from cnnpipe.train.engine import predict as engine_predict
+from cnnpipe.train.trained import load_trained, make_transform
 from conftest import save_image, tiny_params, write_params
 
 

@@ -1,27 +1,21 @@
-"""Typed, validated view of ``params.yaml``.
+"""The sections of ``params.yaml`` as frozen dataclasses: every key, its default and what it means.
 
-Each params section maps to one frozen dataclass. Values are checked at the door: a wrong type,
-range or unknown key raises :class:`ParamsError` naming the exact key, the value and what is
-allowed, before any work starts.
+Each dataclass checks its own ranges (`__post_init__`); reading the file, checking types and applying
+a variant's overrides is `cnnpipe.params`. The defaults here equal params.yaml's (a test keeps them so).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
-import yaml
 
 class ParamsError(ValueError):
     """A params.yaml value is missing, mistyped or out of range."""
 
 
-def _fail(key: str, value: Any, allowed: str) -> None:
+def reject(key: str, value: Any, allowed: str) -> None:
     raise ParamsError(f"params.yaml: `{key}` = {value!r} is invalid; allowed: {allowed}")
 
 
@@ -54,20 +48,20 @@ class DataConfig:
     def __post_init__(self) -> None:
         for key in ("image_size", "stored_size"):
             if not 8 <= getattr(self, key) <= 1024:
-                _fail(f"data.{key}", getattr(self, key), "an integer in [8, 1024]")
+                reject(f"data.{key}", getattr(self, key), "an integer in [8, 1024]")
         if self.image_size > self.stored_size:
-            _fail("data.image_size", self.image_size, f"<= data.stored_size ({self.stored_size})")
+            reject("data.image_size", self.image_size, f"<= data.stored_size ({self.stored_size})")
         for key in ("val_fraction", "test_fraction"):
             if not 0.0 < getattr(self, key) < 0.5:
-                _fail(f"data.{key}", getattr(self, key), "a fraction in (0, 0.5)")
+                reject(f"data.{key}", getattr(self, key), "a fraction in (0, 0.5)")
         for key in ("max_train_images", "max_eval_images"):
             value = getattr(self, key)
             if value is not None and value < 10:
-                _fail(f"data.{key}", value, "null (all) or an integer >= 10")
+                reject(f"data.{key}", value, "null (all) or an integer >= 10")
         if self.max_pixels < 64:
-            _fail("data.max_pixels", self.max_pixels, "an integer >= 64")
+            reject("data.max_pixels", self.max_pixels, "an integer >= 64")
         if self.prepare_workers < 1:
-            _fail("data.prepare_workers", self.prepare_workers, "an integer >= 1")
+            reject("data.prepare_workers", self.prepare_workers, "an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -85,9 +79,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.name.strip():
-            _fail("model.name", self.name, "a timm model name, e.g. resnet50")
+            reject("model.name", self.name, "a timm model name, e.g. resnet50")
         if not 0.0 <= self.drop_path < 1.0:
-            _fail("model.drop_path", self.drop_path, "a rate in [0, 1)")
+            reject("model.drop_path", self.drop_path, "a rate in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -168,47 +162,47 @@ class TrainConfig:
         ints = {"epochs": 1, "batch_size": 1, "nproc": 1, "checkpoint_every": 1, "accum_steps": 1}
         for key, low in ints.items():
             if getattr(self, key) < low:
-                _fail(f"train.{key}", getattr(self, key), f"an integer >= {low}")
+                reject(f"train.{key}", getattr(self, key), f"an integer >= {low}")
         if self.num_workers != "auto" and self.num_workers < 0:
-            _fail("train.num_workers", self.num_workers, "an integer >= 0")
+            reject("train.num_workers", self.num_workers, "an integer >= 0")
         if not 0.0 < self.lr <= 10.0:
-            _fail("train.lr", self.lr, "a float in (0, 10]")
+            reject("train.lr", self.lr, "a float in (0, 10]")
         if not 0.0 <= self.momentum < 1.0:
-            _fail("train.momentum", self.momentum, "a float in [0, 1)")
+            reject("train.momentum", self.momentum, "a float in [0, 1)")
         if self.weight_decay < 0:
-            _fail("train.weight_decay", self.weight_decay, "a float >= 0")
+            reject("train.weight_decay", self.weight_decay, "a float >= 0")
         if self.warmup_epochs < 0:
-            _fail("train.warmup_epochs", self.warmup_epochs, "a float >= 0")
+            reject("train.warmup_epochs", self.warmup_epochs, "a float >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            _fail("train.min_lr_ratio", self.min_lr_ratio, "a float in [0, 1]")
+            reject("train.min_lr_ratio", self.min_lr_ratio, "a float in [0, 1]")
         if not 0.0 <= self.label_smoothing < 1.0:
-            _fail("train.label_smoothing", self.label_smoothing, "a float in [0, 1)")
+            reject("train.label_smoothing", self.label_smoothing, "a float in [0, 1)")
         if not 0.05 <= self.crop_scale_min <= 1.0:
-            _fail("train.crop_scale_min", self.crop_scale_min, "a fraction in [0.05, 1]")
+            reject("train.crop_scale_min", self.crop_scale_min, "a fraction in [0.05, 1]")
         for key in ("mixup_alpha", "cutmix_alpha"):
             if getattr(self, key) < 0:
-                _fail(f"train.{key}", getattr(self, key), "a float >= 0 (0 disables it)")
+                reject(f"train.{key}", getattr(self, key), "a float >= 0 (0 disables it)")
         if (self.mixup_alpha or self.cutmix_alpha) and self.batch_size % 2:
-            _fail("train.batch_size", self.batch_size, "an even number when mixup/cutmix is on")
+            reject("train.batch_size", self.batch_size, "an even number when mixup/cutmix is on")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
-            _fail("train.ema_decay", self.ema_decay, "null or a float in (0, 1)")
+            reject("train.ema_decay", self.ema_decay, "null or a float in (0, 1)")
         if self.grad_clip is not None and self.grad_clip <= 0:
-            _fail("train.grad_clip", self.grad_clip, "null or a float > 0")
+            reject("train.grad_clip", self.grad_clip, "null or a float > 0")
         if self.nnodes < 1:
-            _fail("train.nnodes", self.nnodes, "an integer >= 1")
+            reject("train.nnodes", self.nnodes, "an integer >= 1")
         if not 0 <= self.node_rank < self.nnodes:
-            _fail("train.node_rank", self.node_rank, f"an integer in [0, train.nnodes={self.nnodes})")
+            reject("train.node_rank", self.node_rank, f"an integer in [0, train.nnodes={self.nnodes})")
         host, _, port = self.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
-            _fail("train.rdzv_endpoint", self.rdzv_endpoint, "host:port, e.g. 10.0.0.1:29400")
+            reject("train.rdzv_endpoint", self.rdzv_endpoint, "host:port, e.g. 10.0.0.1:29400")
         if self.threads is not None and self.threads < 1:
-            _fail("train.threads", self.threads, "null or an integer >= 1")
+            reject("train.threads", self.threads, "null or an integer >= 1")
         if self.images_per_epoch is not None and self.images_per_epoch < 1:
-            _fail("train.images_per_epoch", self.images_per_epoch, "null (all) or an integer >= 1")
+            reject("train.images_per_epoch", self.images_per_epoch, "null (all) or an integer >= 1")
         if self.val_images is not None and self.val_images < 10:
-            _fail("train.val_images", self.val_images, "null (all) or an integer >= 10")
+            reject("train.val_images", self.val_images, "null (all) or an integer >= 10")
         if self.min_steps is not None and self.min_steps < 1:
-            _fail("train.min_steps", self.min_steps, "null (keep train.batch_size) or an integer >= 1")
+            reject("train.min_steps", self.min_steps, "null (keep train.batch_size) or an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -234,16 +228,16 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         for key in ("wait", "warmup"):
             if getattr(self, key) < 0:
-                _fail(f"profile.{key}", getattr(self, key), "an integer >= 0")
+                reject(f"profile.{key}", getattr(self, key), "an integer >= 0")
         for key in ("active", "trial_rounds"):
             if getattr(self, key) < 2:
-                _fail(f"profile.{key}", getattr(self, key), "an integer >= 2")
+                reject(f"profile.{key}", getattr(self, key), "an integer >= 2")
         if self.trial_steps < 1:
-            _fail("profile.trial_steps", self.trial_steps, "an integer >= 1")
+            reject("profile.trial_steps", self.trial_steps, "an integer >= 1")
         if not 0.0 <= self.min_gain < 1.0:
-            _fail("profile.min_gain", self.min_gain, "a fraction in [0, 1), e.g. 0.05 for 5%")
+            reject("profile.min_gain", self.min_gain, "a fraction in [0, 1), e.g. 0.05 for 5%")
         if self.budget_share is not None and not 0.0 < self.budget_share <= 1.0:
-            _fail("profile.budget_share", self.budget_share, "null (no limit) or a fraction in (0, 1]")
+            reject("profile.budget_share", self.budget_share, "null (no limit) or a fraction in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -257,12 +251,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.budget_minutes is not None and not 1.0 <= self.budget_minutes <= 100_000:
-            _fail("run.budget_minutes", self.budget_minutes, "null (no budget) or minutes in [1, 100000]")
-
-
-def run_config(raw: dict[str, Any]) -> RunConfig:
-    """The `run` section."""
-    return build_section(RunConfig, raw.get("run"), "run")
+            reject("run.budget_minutes", self.budget_minutes, "null (no budget) or minutes in [1, 100000]")
 
 
 @dataclass(frozen=True)
@@ -285,138 +274,3 @@ class VariantConfig:
         """This config with `train.*` keys replaced (for values from code: `__post_init__` checks the
         ranges, not the choices of string keys; params values go through `resolve`)."""
         return dataclasses.replace(self, train=dataclasses.replace(self.train, **changes)) if changes else self
-
-
-# --------------------------------------------------------------------------- parsing
-def _check_type(key: str, value: Any, hint: Any) -> Any:
-    """Validate `value` against a dataclass field type; return it (ints widen to floats)."""
-    origin = get_origin(hint)
-    if origin is Literal:
-        allowed = get_args(hint)
-        # YAML reads `off`/`true` as booleans; accept them for string choices.
-        if isinstance(value, bool):
-            for spelling in ("true", "on") if value else ("false", "off"):
-                if spelling in allowed:
-                    return spelling
-        if value not in allowed:
-            _fail(key, value, " | ".join(map(str, allowed)))
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for inner in (a for a in args if a is not type(None)):
-            try:
-                return _check_type(key, value, inner)
-            except ParamsError as exc:
-                errors.append(str(exc).split("allowed: ", 1)[1])
-        _fail(key, value, " or ".join(errors) + (" or null" if type(None) in args else ""))
-    if hint is bool:
-        if not isinstance(value, bool):
-            _fail(key, value, "true | false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(key, value, "an integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(key, value, "a number")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            _fail(key, value, "a string")
-        return value
-    raise TypeError(f"unsupported field type {hint!r} for {key}")
-
-
-def build_section(cls: type, raw: Any, prefix: str) -> Any:
-    """Build dataclass `cls` from a raw mapping, naming `prefix.key` in every error."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        _fail(prefix, raw, "a mapping of keys to values")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        _fail(f"{prefix}.{unknown[0]}", raw[unknown[0]], f"one of the known keys: {', '.join(sorted(names))}")
-    values = {k: _check_type(f"{prefix}.{k}", v, hints[k]) for k, v in raw.items()}
-    try:
-        return cls(**values)
-    except ParamsError as exc:
-        # Range checks name the bare section (`train.lr`); inside a variant, name the full key.
-        section = prefix.rsplit(".", 1)[-1]
-        if prefix == section:
-            raise
-        raise ParamsError(str(exc).replace(f"`{section}.", f"`{prefix}.")) from None
-
-
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in (override or {}).items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
-    """Read params.yaml and validate every section and every variant; return the raw mapping."""
-    path = Path(path)
-    if not path.exists():
-        raise ParamsError(f"{path} not found: run from the project root (where dvc.yaml is)")
-    with path.open() as fh:
-        raw = yaml.safe_load(fh) or {}
-    known = {"seed", "run", "data", "model", "train", "profile", "variants"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        _fail(unknown[0], raw[unknown[0]], f"one of the top-level sections: {', '.join(sorted(known))}")
-    variants = raw.get("variants") or {}
-    if not isinstance(variants, dict):
-        _fail("variants", variants, "a mapping of variant name to overrides")
-    for name in variants:
-        resolve(raw, name)  # validate each variant up front
-    data_config(raw)
-    run_config(raw)
-    return raw
-
-
-def data_config(raw: dict[str, Any]) -> DataConfig:
-    """The shared `data` section."""
-    return build_section(DataConfig, raw.get("data"), "data")
-
-
-def resolve(raw: dict[str, Any], variant: str) -> VariantConfig:
-    """Shared sections with `variants.<variant>` overrides applied, validated."""
-    variants = raw.get("variants") or {}
-    if variant not in variants:
-        raise ParamsError(
-            f"params.yaml: variant {variant!r} not under `variants`; defined: {', '.join(variants) or 'none'}"
-        )
-    override = variants[variant] or {}
-    if not isinstance(override, dict):
-        _fail(f"variants.{variant}", override, "a mapping with `model` and/or `train` overrides")
-    bad = sorted(set(override) - {"model", "train"})
-    if bad:
-        _fail(f"variants.{variant}.{bad[0]}", override[bad[0]], "only `model` and `train` can be overridden")
-    seed = raw.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        _fail("seed", seed, "an integer")
-    prefix = f"variants.{variant}"
-
-    def section(cls: type, name: str) -> Any:
-        shared = raw.get(name) or {}
-        build_section(cls, shared, name)  # errors in the shared part name the shared key
-        return build_section(cls, _merge(shared, override.get(name) or {}), f"{prefix}.{name}")
-
-    return VariantConfig(
-        variant=variant,
-        seed=seed,
-        data=data_config(raw),
-        model=section(ModelConfig, "model"),
-        train=section(TrainConfig, "train"),
-        profile=build_section(ProfileConfig, raw.get("profile"), "profile"),
-    )

@@ -1,20 +1,69 @@
-"""Atomic writes: a crash never leaves a half-written result file behind."""
+"""Atomic writes: a crash, or a full disk, never leaves a half-written result file behind."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+
+
+class DiskFull(OSError):
+    """A write ran out of disk space (or quota); the message names the file, the space and what survives."""
+
+
+def _no_space_cause(exc: BaseException) -> OSError | None:
+    """The ENOSPC/EDQUOT error behind `exc`, following its chain (torch.save re-raises the writer's
+    OSError as a RuntimeError from its zip writer, `unexpected pos`)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.0f} MB" if n >= 2**20 else f"{n / 2**10:,.1f} KB"
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path, needed_bytes: int | None = None, survives: str = "") -> Iterator[Path]:
+    """A temp path beside `path` to write to; renamed over `path` on success, removed on any failure.
+
+    A full disk becomes one `DiskFull` that names the file, the space it needs (`needed_bytes`, or at
+    least what was written before the failure) and the space free, plus `survives` (what is intact).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as exc:
+        written = tmp.stat().st_size if tmp.exists() else 0
+        tmp.unlink(missing_ok=True)
+        if _no_space_cause(exc) is None:
+            raise
+        free = shutil.disk_usage(path.parent).free
+        needed = max(needed_bytes or 0, written)
+        raise DiskFull(errno.ENOSPC, f"{path}: the disk is full (needs {'about' if needed_bytes else 'over'} "
+                       f"{_mb(needed)}, {_mb(free)} free on {path.parent}); the partial file was removed. "
+                       f"{survives}".rstrip()) from None
 
 
 def write_text(path: Path, text: str) -> None:
     """Write to a temp file beside `path`, then rename over it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    data = text.encode("utf-8")
+    survives = f"The previous {Path(path).name} is unchanged." if Path(path).exists() else ""
+    with atomic_path(path, len(data), survives) as tmp:
+        tmp.write_bytes(data)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from typing import Iterator
 import timm
 import torch
 
-from .config import ModelConfig
+from cnnpipe.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .store import PreparedSplit
+from cnnpipe.data.store import PreparedSplit
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

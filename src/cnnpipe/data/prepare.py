@@ -13,54 +13,20 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
-from ..config import DataConfig
-from ..files import write_json
-from . import idx
-from .decode import IMAGE_EXTENSIONS, Decoded, decode_file, is_hidden
-from .store import SPLITS, SplitWriter, write_index
+from cnnpipe.config import DataConfig
+from cnnpipe.data import idx
+from cnnpipe.data.decode import IMAGE_EXTENSIONS, Decoded, decode_file, is_hidden
+from cnnpipe.data.split import balanced_positions, stratified_split
+from cnnpipe.data.store import SPLITS, SplitWriter, write_index
+from cnnpipe.files import write_json
 
 SPLIT_ALIASES = {"train": "train", "val": "val", "validation": "val", "valid": "val", "test": "test"}
 
 
 class DataError(ValueError):
     """The input data cannot make a usable data set; the message says what to fix."""
-
-
-# --------------------------------------------------------------------------- splitting
-def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split positions 0..N-1 into (keep, held_out) by class, with scikit-learn.
-
-    Classes with fewer than two members cannot be stratified; they stay whole in `keep`.
-    Both outputs are sorted, so the result depends only on labels, fraction and seed.
-    """
-    labels = np.asarray(labels)
-    positions = np.arange(len(labels))
-    counts = np.bincount(labels) if len(labels) else np.zeros(0, int)
-    splittable = counts[labels] >= 2 if len(labels) else np.zeros(0, bool)
-    fixed, pool = positions[~splittable], positions[splittable]
-    if len(pool) == 0:
-        return positions, np.zeros(0, dtype=int)
-    n_classes = len(np.unique(labels[pool]))
-    n_held = max(n_classes, int(round(fraction * len(pool))))
-    if n_held >= len(pool) - n_classes + 1:
-        n_held = max(1, len(pool) // 2)
-    try:
-        keep, held = train_test_split(pool, test_size=n_held, stratify=labels[pool], random_state=seed)
-    except ValueError:  # too few samples for a stratified split: plain shuffle split
-        keep, held = train_test_split(pool, test_size=n_held, random_state=seed)
-    return np.sort(np.concatenate([fixed, keep])), np.sort(held)
-
-
-def stratified_subsample(labels: np.ndarray, cap: int | None, seed: int) -> np.ndarray:
-    """Sorted positions of at most `cap` items, class proportions kept; all when cap is None."""
-    positions = np.arange(len(labels))
-    if cap is None or cap >= len(labels):
-        return positions
-    _, held = stratified_split(labels, cap / len(labels), seed)
-    return held[:cap]
 
 
 # --------------------------------------------------------------------------- Fashion-MNIST
@@ -83,9 +49,9 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
     train_x, train_y = idx.load_split(raw_dir, "train")
     test_x, test_y = idx.load_split(raw_dir, "test")
     keep, val = stratified_split(train_y, cfg.val_fraction, seed)
-    keep = keep[stratified_subsample(train_y[keep], cfg.max_train_images, seed)]
-    val = val[stratified_subsample(train_y[val], cfg.max_eval_images, seed)]
-    test = stratified_subsample(test_y, cfg.max_eval_images, seed)
+    keep = keep[balanced_positions(train_y[keep], cfg.max_train_images, seed)]
+    val = val[balanced_positions(train_y[val], cfg.max_eval_images, seed)]
+    test = balanced_positions(test_y, cfg.max_eval_images, seed)
     parts = {
         "train": (train_x, train_y, keep, "train-images-idx3-ubyte"),
         "val": (train_x, train_y, val, "train-images-idx3-ubyte"),
@@ -171,7 +137,7 @@ def _assign_splits(tree: dict[str, dict[str, list[Path]]], predefined: bool, cla
     caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
     for split, cap in caps.items():
         labels = np.array([label for _, label in splits[split]], dtype=int)
-        splits[split] = [splits[split][i] for i in stratified_subsample(labels, cap, seed)]
+        splits[split] = [splits[split][i] for i in balanced_positions(labels, cap, seed)]
     return splits
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..files import write_json
+from cnnpipe.files import write_json
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -98,18 +98,6 @@ def read_index(prepared_dir: Path) -> dict[str, Any]:
     if index.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path}: format {index.get('format')} != {FORMAT_VERSION}; rerun `dvc repro prepare`")
     return index
-
-
-def balanced_subset(split: PreparedSplit, n: int | None) -> PreparedSplit:
-    """A fixed subset of `n` items with the split's class proportions: the first items of each class
-    in stored order (no randomness, so every epoch and every run sees the same ones); all when n is None."""
-    if n is None or n >= len(split):
-        return split
-    counts = np.bincount(split.labels, minlength=split.num_classes)
-    keep = np.concatenate([np.flatnonzero(split.labels == c)[: int(round(n * count / len(split)))]
-                           for c, count in enumerate(counts)])
-    keep.sort()
-    return PreparedSplit(images=np.asarray(split.images[keep]), labels=split.labels[keep], classes=split.classes)
 
 
 def open_split(prepared_dir: Path, split: str, limit: int | None = None) -> PreparedSplit:

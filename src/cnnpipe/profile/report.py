@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .profile_format import REGIONS, all_trials
+from cnnpipe.profile.format import REGIONS, all_trials
 
 
 def load_profiles(profile_dir: Path, variants: list[str]) -> dict[str, dict[str, Any]]:
@@ -20,30 +20,40 @@ def load_profiles(profile_dir: Path, variants: list[str]) -> dict[str, dict[str,
     return out
 
 
+def seconds_per_1000_images(profile: dict[str, Any]) -> float:
+    """Median training time per 1,000 images: comparable across recipes that step at different batches."""
+    return profile["step_time_median_s"] / profile["batch_size"] * 1000
+
+
 def bar_chart(profiles: dict[str, dict[str, Any]], path: Path) -> None:
-    """Stacked horizontal bars: milliseconds per step spent in each region, per variant."""
+    """Stacked horizontal bars: seconds per 1,000 training images spent in each region, per variant,
+    each labelled with its batch and throughput (a per-step bar would make the larger batch look slow)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.7 * len(profiles)))
     names = list(profiles)
+    fig, ax = plt.subplots(figsize=(8, 0.8 + 0.55 * len(names)))
     left = [0.0] * len(names)
     for region in REGIONS:
-        widths = [profiles[n]["fractions"].get(region, 0.0) * profiles[n]["step_time_median_s"] * 1000 for n in names]
-        ax.barh(names, widths, left=left, label=region)
+        widths = [profiles[n]["fractions"].get(region, 0.0) * seconds_per_1000_images(profiles[n]) for n in names]
+        ax.barh(names, widths, left=left, label=region, height=0.6)
         left = [a + b for a, b in zip(left, widths)]
-    ax.set_xlabel("milliseconds per training step (median)")
-    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45 if len(names) < 3 else -0.3))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    for y, name in enumerate(names):
+        p = profiles[name]
+        ax.text(left[y], y, f"  batch {p['batch_size']}, {p['throughput_img_s']:,.0f} img/s", va="center", fontsize=9)
+    ax.set_xlim(0, max(left) * 1.35)
+    ax.set_xlabel("seconds per 1,000 training images (median step time / batch size)")
+    ax.legend(ncol=len(REGIONS), fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False,
+              handlelength=1.2, columnspacing=1.0)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
 def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
     """The report: breakdown table, bottleneck, recommendations with evidence, trials, how to open traces."""
-    lines = ["# Profile report", "", f"![step-time breakdown]({chart_name})", "",
+    lines = ["# Profile report", "", f"![time per 1,000 training images, by region]({chart_name})", "",
              "| Region | " + " | ".join(profiles) + " |", "| --- |" + " ---: |" * len(profiles)]
     for region in REGIONS:
         shares = [p["fractions"].get(region, 0.0) for p in profiles.values()]

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from timm.loss import SoftTargetCrossEntropy
 
-from .distributed import DistInfo, all_reduce_sum, unwrap
-from .metrics import topk_correct
-from .precision import autocast
+from cnnpipe.train.distributed import DistInfo, all_reduce_sum, unwrap
+from cnnpipe.train.precision import autocast
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -59,6 +58,14 @@ class StepContext:
 
 Region = Callable[[str], ContextManager[None]]
 """Wraps one phase of a step (copy, augment, forward, sync, backward, optimizer); the profiler times it."""
+
+
+def topk_correct(logits: torch.Tensor, labels: torch.Tensor, k: int) -> int:
+    """How many rows have their label among the `k` highest logits."""
+    if len(labels) == 0:
+        return 0
+    top = logits.topk(min(k, logits.shape[1]), dim=1).indices
+    return int((top == labels[:, None]).any(dim=1).sum())
 
 
 def no_region(name: str) -> ContextManager[None]:

@@ -21,15 +21,15 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
-from .config import VariantConfig
-from .data.loaders import TrainLoader
-from .data.store import open_split
-from .distributed import DistInfo, unwrap
-from .engine import StepContext, forward_times, micro_step, no_region, sync_device
-from .kernels import busy_fraction, tensor_core_share
-from .profile_format import REGIONS
-from .trainer import build_training, step_context
-from .tuning import resolve_auto
+from cnnpipe.config import VariantConfig
+from cnnpipe.data.loaders import TrainLoader
+from cnnpipe.data.store import open_split
+from cnnpipe.profile.format import REGIONS
+from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
+from cnnpipe.train.distributed import DistInfo, unwrap
+from cnnpipe.train.engine import StepContext, forward_times, micro_step, no_region, sync_device
+from cnnpipe.train.trainer import build_training, step_context
+from cnnpipe.train.tuning import resolve_auto
 
 INFERENCE_BATCH = 256  # evaluation's batch
 
@@ -63,7 +63,7 @@ class RegionTimer:
                 self.totals[name] += time.perf_counter() - t0
 
 
-def _memory_frac(device: torch.device) -> float | None:
+def memory_frac(device: torch.device) -> float | None:
     """Peak allocated memory as a fraction of the GPU's; None on the CPU."""
     if device.type != "cuda":
         return None
@@ -194,7 +194,7 @@ def fractions(totals: dict[str, float]) -> dict[str, float]:
     return {k: v / total for k, v in totals.items()}
 
 
-def _iqr(values: list[float]) -> float:
+def iqr(values: list[float]) -> float:
     if len(values) < 4:
         return max(values) - min(values)
     q = statistics.quantiles(values, n=4)

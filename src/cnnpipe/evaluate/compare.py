@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .stats import ALPHA, mcnemar_exact, median_iqr, paired_counts, ratio_range
+from cnnpipe.evaluate.stats import ALPHA, mcnemar_exact, median_iqr, paired_counts, ratio_range
 
 # (key in the output, label, source file, key in source, format)
 ROWS = (

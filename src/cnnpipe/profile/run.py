@@ -14,18 +14,32 @@ from typing import Any
 import torch
 import yaml
 
-from .config import VariantConfig
-from .decision import _best_batch, confirm_combined, tuned_settings, tuned_speedup
-from .diagnosis import Facts, Recommendation, diagnose
-from .distributed import DistInfo
-from .files import write_json, write_text
-from .measure import (INFERENCE_BATCH, _iqr, _memory_frac, build_setup, fractions, inference_times, timed_steps,
-                      trace_window)
-from .monitor import peak_mem_mb
-from .profile_format import all_trials
-from .trials import (Trial, out_of_time, recommended_together, run_trials, smaller_batch_trials,
-                     trial_deadline)
-from .tuning import auto_knobs, resolve_auto
+from cnnpipe.config import VariantConfig
+from cnnpipe.files import write_json, write_text
+from cnnpipe.monitor import peak_mem_mb
+from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings, tuned_speedup
+from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose
+from cnnpipe.profile.format import all_trials
+from cnnpipe.profile.measure import (
+    INFERENCE_BATCH,
+    build_setup,
+    fractions,
+    inference_times,
+    iqr,
+    memory_frac,
+    timed_steps,
+    trace_window,
+)
+from cnnpipe.profile.trials import (
+    Trial,
+    out_of_time,
+    recommended_together,
+    run_trials,
+    smaller_batch_trials,
+    trial_deadline,
+)
+from cnnpipe.train.distributed import DistInfo
+from cnnpipe.train.tuning import auto_knobs, resolve_auto
 
 
 def _with_measurement(rec: Recommendation, results: list[Trial]) -> dict[str, Any]:
@@ -56,7 +70,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     inference_s = inference_times(base)  # timed again at the end: the VM's speed drifts within minutes
     training_s = t.epochs * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
     start_by_s = trial_deadline(time_box_s, training_s)
-    mem_frac = _memory_frac(info.device)
+    mem_frac = memory_frac(info.device)
     facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=t.batch_size,
                   utilization=cpu_util if info.device.type == "cpu" else traced["gpu_busy_frac"],
@@ -68,10 +82,10 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     if with_trials:
         recommended = {r.knob for r in diagnose(facts)[1] if r.knob}
         results = run_trials(cfg, requested, info, prepared_dir, base, recommended, start_by_s)
-        best = _best_batch(results)
+        best = best_batch(results)
         facts = dataclasses.replace(facts, batch_gain=best.speedup if best else None,
                                     best_batch=best.change["batch_size"] if best else None)
-        tuned, combined = confirm_combined(requested, cfg, info, prepared_dir, base, results,
+        tuned, combined = confirm_winners(requested, cfg, info, prepared_dir, base, results,
                                            tuned_settings(requested, cfg, results), start_by_s)
         gain = tuned_speedup(cfg, tuned, results, combined)
         smaller = smaller_batch_trials(requested, cfg, info, prepared_dir, base, tuned, gain, start_by_s)
@@ -88,7 +102,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "amp": base.ctx.amp,
         "batch_size": t.batch_size,
         "step_time_median_s": step_s,
-        "step_time_iqr_s": _iqr(times),
+        "step_time_iqr_s": iqr(times),
         "steps_timed": len(times),
         "throughput_img_s": base.images_per_step / step_s,
         "inference_img_s": INFERENCE_BATCH / statistics.median(inference_s),

@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from .config import VariantConfig
-from .schedule import batch_for_steps
+from cnnpipe.config import VariantConfig
+from cnnpipe.train.schedule import batch_for_steps
 
 
 def read_budget(path: Path | None) -> dict[str, Any]:

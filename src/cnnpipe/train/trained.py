@@ -11,8 +11,8 @@ from typing import Any
 import timm
 import torch
 
-from . import checkpoint as ckpt
-from .data.loaders import eval_transform
+from cnnpipe.data.loaders import eval_transform
+from cnnpipe.train import checkpoint as ckpt
 
 
 def ema_is_better(best: dict[str, Any], last: Path) -> bool:

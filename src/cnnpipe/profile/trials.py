@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
-from .config import VariantConfig
-from .diagnosis import MEMORY_FRAC
-from .distributed import DistInfo
-from .engine import sync_device
-from .hardware import cpu_has_fast_bf16
-from .measure import Setup, _memory_frac, build_setup, train_step
-from .monitor import process_seconds
-from .schedule import MIN_BATCH
-from .tuning import auto_knobs
+from cnnpipe.config import VariantConfig
+from cnnpipe.hardware import cpu_has_fast_bf16
+from cnnpipe.monitor import process_seconds
+from cnnpipe.profile.diagnosis import MEMORY_FRAC
+from cnnpipe.profile.measure import Setup, build_setup, memory_frac, train_step
+from cnnpipe.train.distributed import DistInfo
+from cnnpipe.train.engine import sync_device
+from cnnpipe.train.schedule import halved_batches
+from cnnpipe.train.tuning import auto_knobs
 
 
 @dataclass
@@ -142,13 +142,7 @@ def trial_deadline(box_s: float | None, training_s: float) -> float | None:
 
 def smaller_batches(cfg: VariantConfig) -> list[int]:
     """The batches `train.min_steps` may halve the recipe's batch to (none without `min_steps`)."""
-    if cfg.train.min_steps is None:
-        return []
-    out, batch = [], cfg.train.batch_size // 2
-    while batch >= MIN_BATCH:
-        out.append(batch)
-        batch //= 2
-    return out
+    return [] if cfg.train.min_steps is None else halved_batches(cfg.train.batch_size)
 
 
 def run_trials(cfg: VariantConfig, requested: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
@@ -197,7 +191,7 @@ def batch_trials(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current
         finally:
             if info.device.type == "cuda":
                 torch.cuda.empty_cache()
-        used = _memory_frac(info.device)
+        used = memory_frac(info.device)
         if used is not None and used > MEMORY_FRAC:
             trial.win, trial.note = False, f"peak memory {used:.0%} of the device"
         if previous is not None and trial.win and trial.speedup < previous.speedup * (1 + p.min_gain):

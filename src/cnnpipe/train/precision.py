@@ -7,7 +7,7 @@ from typing import ContextManager
 
 import torch
 
-from .hardware import cpu_has_fast_bf16
+from cnnpipe.hardware import cpu_has_fast_bf16
 
 
 def resolve_amp(amp: str, device: torch.device) -> str:

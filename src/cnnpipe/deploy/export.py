@@ -17,11 +17,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .data.loaders import build_eval_loader
-from .data.store import balanced_subset, open_split
-from .trained import load_trained, make_transform
-from .files import write_json
-from .monitor import process_seconds
+from cnnpipe.data.loaders import build_eval_loader
+from cnnpipe.data.split import balanced_subset
+from cnnpipe.data.store import open_split
+from cnnpipe.files import write_json
+from cnnpipe.monitor import process_seconds
+from cnnpipe.train.trained import load_trained, make_transform
 
 OPSET = 18
 

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Sequence
 
-from .config import VariantConfig
-from .schedule import batch_for_steps
+from cnnpipe.config import VariantConfig
+from cnnpipe.train.schedule import batch_for_steps
 
 LADDER = (1.0, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 3 / 16, 1 / 8, 3 / 32, 1 / 16, 1 / 32, 1 / 64)
 KEEP_BAND = (0.75, 1.10)

@@ -19,20 +19,21 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from . import checkpoint as ckpt
-from .budget import fit_batch_to_steps
-from .config import VariantConfig
-from .data.loaders import AugmentConfig, FastTransform, TrainLoader, build_eval_loader, build_train_loader
-from .data.store import PreparedSplit, balanced_subset, open_split
-from .distributed import DistInfo, all_reduce_max, all_reduce_sum, unwrap
-from .engine import StepContext, evaluate_top1, train_one_epoch
-from .files import write_json
-from .hardware import cpu_report, usable_cores
-from .models import InitInfo, create_model, model_mean_std
-from .monitor import GpuUtilSampler, peak_mem_mb, process_seconds
-from .precision import grad_scaler, resolve_amp
-from .schedule import LrSchedule
-from .tuning import resolve_auto
+from cnnpipe.config import VariantConfig
+from cnnpipe.data.loaders import AugmentConfig, FastTransform, TrainLoader, build_eval_loader, build_train_loader
+from cnnpipe.data.split import balanced_subset
+from cnnpipe.data.store import PreparedSplit, open_split
+from cnnpipe.files import write_json
+from cnnpipe.hardware import cpu_report, usable_cores
+from cnnpipe.models import InitInfo, create_model, model_mean_std
+from cnnpipe.monitor import GpuUtilSampler, peak_mem_mb, process_seconds
+from cnnpipe.train import checkpoint as ckpt
+from cnnpipe.train.budget import fit_batch_to_steps
+from cnnpipe.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, unwrap
+from cnnpipe.train.engine import StepContext, evaluate_top1, train_one_epoch
+from cnnpipe.train.precision import grad_scaler, resolve_amp
+from cnnpipe.train.schedule import LrSchedule
+from cnnpipe.train.tuning import resolve_auto
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:
@@ -245,7 +246,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
                          "set train.sync_bn: false for CPU training")
     parts = build_training(cfg, info, train_split)
     ema = ModelEmaV3(parts.model, decay=t.ema_decay) if t.ema_decay else None
-    val_split = balanced_subset(open_split(prepared_dir, "val"), t.val_images)
+    val_split = balanced_subset(open_split(prepared_dir, "val"), t.val_images, cfg.seed)
     val_loader = build_eval_loader(val_split, batch_size=max(t.batch_size, 256), rank=info.rank,
                                    world_size=info.world_size)
     val_transform = FastTransform(parts.aug, parts.mean, parts.std, train=False, channels_last=t.channels_last,

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import VariantConfig
+from cnnpipe.config import VariantConfig
+from cnnpipe.files import atomic_path
 
 # Keys that may change between a crash and its resume without changing what training computes.
 RESUME_NEUTRAL = {("train", "checkpoint_every"), ("train", "threads"), ("train", "num_workers"),
@@ -44,16 +45,27 @@ def fingerprint(cfg: VariantConfig, data: str = "") -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) checkpoint state: about the size of its file."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
 def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """torch.save to a temp file, fsync, rename: a crash never leaves a half-written checkpoint."""
+    """torch.save to a temp file, fsync, rename: a crash never leaves a half-written checkpoint, and a
+    full disk is one `DiskFull` naming the file and the space (the previous checkpoint stays intact)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
+    survives = (f"The previous {path.name} is intact: free some space and rerun (`dvc repro`) to resume from it."
+                if path.exists() else "Free some space and rerun.")
+    with atomic_path(path, state_bytes(state), survives) as tmp, open(tmp, "wb") as fh:
         torch.save(state, fh)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from .config import TrainConfig
-from .distributed import under_torchrun
+from cnnpipe.config import TrainConfig
+from cnnpipe.train.distributed import under_torchrun
 
 
 def needs_torchrun(t: TrainConfig) -> bool:

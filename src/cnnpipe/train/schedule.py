@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import TrainConfig
+from cnnpipe.config import TrainConfig
 
 
 def lr_at(step: int, *, total_steps: int, peak_lr: float, warmup_steps: int = 0,
@@ -70,6 +70,16 @@ def steps_per_run(images_per_epoch: int, epochs: int, batch_size: int, world_siz
     return epochs * ((images_per_epoch // world_size) // batch_size // accum_steps)
 
 
+def halved_batches(batch_size: int) -> list[int]:
+    """The smaller batches `train.min_steps` may pick, largest first: `batch_size` halved while it
+    stays >= `MIN_BATCH` (none when `batch_size` is already below twice the floor)."""
+    out, batch = [], batch_size // 2
+    while batch >= MIN_BATCH:
+        out.append(batch)
+        batch //= 2
+    return out
+
+
 def batch_for_steps(batch_size: int, min_steps: int | None, images_per_epoch: int, epochs: int,
                     world_size: int = 1, accum_steps: int = 1) -> int:
     """The per-process batch that gives the run at least `min_steps` optimizer steps.
@@ -83,8 +93,7 @@ def batch_for_steps(batch_size: int, min_steps: int | None, images_per_epoch: in
     """
     if min_steps is None:
         return batch_size
-    batch = batch_size
-    while batch // 2 >= MIN_BATCH and steps_per_run(images_per_epoch, epochs, batch, world_size,
-                                                    accum_steps) < min_steps:
-        batch //= 2
+    for batch in (batch_size, *halved_batches(batch_size)):
+        if steps_per_run(images_per_epoch, epochs, batch, world_size, accum_steps) >= min_steps:
+            return batch
     return batch

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import yaml
 
-from .config import VariantConfig
-from .precision import resolve_amp
+from cnnpipe.config import VariantConfig
+from cnnpipe.train.precision import resolve_amp
 
 TUNABLE = ("amp", "channels_last", "loader", "num_workers", "pin_memory", "compile")
 

@@ -10,15 +10,15 @@ from typing import Any
 
 import torch
 
-from .data.loaders import build_eval_loader
-from .data.store import open_split, read_index
-from .engine import forward_times, predict
-from .files import write_json
-from .gallery import most_confident_mistakes, save_gallery
-from .metrics import classification_summary, topk_correct
-from .monitor import peak_mem_mb, process_seconds
-from .stats import SMALL_TEST, wilson_interval
-from .trained import load_trained, make_transform
+from cnnpipe.data.loaders import build_eval_loader
+from cnnpipe.data.store import open_split, read_index
+from cnnpipe.evaluate.gallery import most_confident_mistakes, save_gallery
+from cnnpipe.evaluate.metrics import classification_summary
+from cnnpipe.evaluate.stats import SMALL_TEST, wilson_interval
+from cnnpipe.files import write_json
+from cnnpipe.monitor import peak_mem_mb, process_seconds
+from cnnpipe.train.engine import forward_times, predict, topk_correct
+from cnnpipe.train.trained import load_trained, make_transform
 
 
 def split_warnings(images: int, carved: list[str]) -> list[str]:

@@ -9,13 +9,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.metrics import classification_report, confusion_matrix
 
-
-def topk_correct(logits: torch.Tensor, labels: torch.Tensor, k: int) -> int:
-    """How many rows have their label among the `k` highest logits."""
-    if len(labels) == 0:
-        return 0
-    top = logits.topk(min(k, logits.shape[1]), dim=1).indices
-    return int((top == labels[:, None]).any(dim=1).sum())
+from cnnpipe.train.engine import topk_correct
 
 
 def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:

@@ -1,0 +1,190 @@
+"""Classify new image files with a trained model: `python -m cnnpipe.predict IMAGE_OR_FOLDER`.
+
+Every file goes through the same steps as the data the model was evaluated on: `prepare`'s decode
+(EXIF orientation, any mode to RGB, transparency onto white, short side to the stored size, centre
+square), greyscale when the model was trained on one channel, then evaluation's deterministic
+transform. A file that cannot be read as an image gets a row with an error, never a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from cnnpipe.data.decode import decode_file, is_hidden
+from cnnpipe.data.store import read_index
+from cnnpipe.train.distributed import resolve_device
+from cnnpipe.train.precision import autocast
+from cnnpipe.train.trained import load_trained, make_transform
+
+DEFAULT_MAX_PIXELS = 89_478_485  # data.max_pixels' default: PIL's own decompression-bomb limit
+# ITU-R 601-2 luma, the weights PIL's convert("L") uses: a photo turns grey as a greyscale scan would.
+LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+
+@dataclass
+class Prediction:
+    """One file's result: the top-k (class, probability) pairs, or the reason it has none."""
+
+    path: str
+    topk: list[tuple[str, float]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def label(self) -> str | None:
+        return self.topk[0][0] if self.topk else None
+
+    @property
+    def probability(self) -> float | None:
+        return self.topk[0][1] if self.topk else None
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "label": self.label, "probability": self.probability,
+                "topk": [{"label": c, "probability": p} for c, p in self.topk], "error": self.error}
+
+
+def list_inputs(target: Path) -> list[Path]:
+    """`target` itself, or every non-hidden file below the folder, sorted (deterministic output)."""
+    if not target.exists():
+        raise FileNotFoundError(f"{target} does not exist")
+    if target.is_file():
+        return [target]
+    return sorted(p for p in target.rglob("*") if p.is_file() and not is_hidden(p, target))
+
+
+def to_channels(image: np.ndarray, channels: int) -> np.ndarray:
+    """RGB (H, W, 3) uint8 → (H, W, channels) uint8, the layout the model was trained on."""
+    if channels == 3:
+        return image
+    if channels == 1:
+        grey = np.rint(image.astype(np.float32) @ LUMA).clip(0, 255).astype(np.uint8)
+        return grey[..., None]
+    raise ValueError(f"models with {channels} input channels are not supported (1 or 3)")
+
+
+@dataclass
+class Predictor:
+    """A trained model with its input contract, ready to classify decoded images."""
+
+    model: torch.nn.Module
+    meta: dict
+    classes: list[str]
+    stored_size: int
+    device: torch.device
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    @classmethod
+    def load(cls, model_path: Path, prepared_dir: Path | None, device: torch.device) -> Predictor:
+        """The model in `model_path` (a best.pt or its folder); names and stored size from the prepared index."""
+        model_dir = model_path if model_path.is_dir() else model_path.parent
+        if model_path.is_file() and model_path.name != "best.pt":
+            raise ValueError(f"{model_path}: expected a cnnpipe best.pt checkpoint or the folder holding it")
+        model, meta = load_trained(model_dir, device)
+        classes, stored = list(meta["classes"]), meta["image_size"]
+        if prepared_dir is not None and (prepared_dir / "index.json").exists():
+            index = read_index(prepared_dir)
+            if len(index["classes"]) != meta["num_classes"]:
+                raise ValueError(f"{prepared_dir}/index.json has {len(index['classes'])} classes but the model "
+                                 f"predicts {meta['num_classes']}: pass the --data folder it was trained on")
+            classes, stored = list(index["classes"]), int(index["size"])
+        return cls(model, meta, classes, stored, device)
+
+    def decode(self, path: Path) -> np.ndarray | str:
+        """The prepared-format image for `path`, or the reason it cannot be used."""
+        decoded = decode_file(path, self.stored_size, self.max_pixels)
+        if decoded.image is None:
+            return decoded.reason or "unreadable"
+        return to_channels(decoded.image, self.meta["in_chans"])
+
+    @torch.no_grad()
+    def probabilities(self, images: np.ndarray) -> torch.Tensor:
+        """Softmax over classes for a (N, S, S, C) uint8 batch, with evaluation's transform and precision."""
+        x = make_transform(self.meta)(torch.from_numpy(images).to(self.device))
+        with autocast(self.meta["amp"], self.device):
+            logits = self.model(x)
+        return torch.softmax(logits.float(), dim=1).cpu()
+
+    def predict(self, paths: Sequence[Path], topk: int = 3, batch_size: int = 64,
+                progress: bool = False) -> Iterator[Prediction]:
+        """Predictions for `paths` in order, decoded and classified `batch_size` at a time."""
+        k = max(1, min(topk, len(self.classes)))
+        bar = tqdm(total=len(paths), unit="img", desc="predict", disable=None if progress else True)
+        for start in range(0, len(paths), batch_size):
+            chunk = paths[start : start + batch_size]
+            decoded = [self.decode(p) for p in chunk]
+            good = [i for i, d in enumerate(decoded) if isinstance(d, np.ndarray)]
+            results = [Prediction(str(p), error=d if isinstance(d, str) else None) for p, d in zip(chunk, decoded)]
+            if good:
+                probs = self.probabilities(np.stack([decoded[i] for i in good]))
+                values, indices = probs.topk(k, dim=1)
+                for row, i in enumerate(good):
+                    results[i].topk = [(self.classes[c], round(float(v), 6))
+                                       for v, c in zip(values[row].tolist(), indices[row].tolist())]
+            bar.update(len(chunk))
+            yield from results
+        bar.close()
+
+
+def write_predictions(predictions: list[Prediction], out: Path) -> None:
+    """`.json`: a list of objects; `.csv`: one row per file with the top-k as `name:probability;...`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix.lower() == ".json":
+        out.write_text(json.dumps([p.to_dict() for p in predictions], indent=2, ensure_ascii=False) + "\n")
+        return
+    with open(out, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["path", "label", "probability", "topk", "error"])
+        for p in predictions:
+            topk = ";".join(f"{c}:{v:.4f}" for c, v in p.topk)
+            writer.writerow([p.path, p.label or "", "" if p.probability is None else f"{p.probability:.4f}",
+                             topk, p.error or ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cnnpipe.predict", description=__doc__.split("\n")[0])
+    parser.add_argument("target", type=Path, help="an image file or a folder (searched recursively)")
+    parser.add_argument("--variant", default="optimized", help="use models/<variant>/best.pt (default optimized)")
+    parser.add_argument("--model", type=Path, help="a best.pt checkpoint or its folder (overrides --variant)")
+    parser.add_argument("--data", type=Path, default=Path("data/prepared"),
+                        help="prepared folder whose index.json gives class names and stored size")
+    parser.add_argument("--topk", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--out", type=Path, help="write .csv or .json here (default: a table on stdout)")
+    args = parser.parse_args(argv)
+    if args.out is not None and args.out.suffix.lower() not in (".csv", ".json"):
+        parser.error(f"--out {args.out}: use a .csv or .json file name")
+    if args.topk < 1 or args.batch_size < 1:
+        parser.error("--topk and --batch-size must be >= 1")
+    try:
+        paths = list_inputs(args.target)
+        predictor = Predictor.load(args.model or Path("models") / args.variant, args.data,
+                                   resolve_device(args.device))
+        predictions = list(predictor.predict(paths, args.topk, args.batch_size,
+                                             progress=args.target.is_dir()))
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"predict: {exc}", file=sys.stderr)
+        return 2
+    if args.out is not None:
+        write_predictions(predictions, args.out)
+    else:
+        for p in predictions:
+            shown = p.error if p.error else ", ".join(f"{c} {v:.1%}" for c, v in p.topk)
+            print(f"{p.path}\t{'ERROR ' if p.error else ''}{shown}")
+    failed = sum(p.error is not None for p in predictions)
+    print(f"predict: {len(predictions) - failed} classified, {failed} could not be read"
+          + (f"; wrote {args.out}" if args.out else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
