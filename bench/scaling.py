@@ -2,7 +2,8 @@
 
 Prepares a capped copy of the data set, trains one short epoch of the optimized recipe with
 `train.nproc` = 1..N (threads split evenly over the cores), reads throughput from each train.json
-and prints scaling_efficiency = T_N / (N * T_1).
+and prints T_N / T_1 (CPU: the processes share the cores) and scaling_efficiency = T_N / (N * T_1)
+(GPUs: a device each).
 
     python bench/scaling.py                      # N = 1, 2 on this machine, 4096 images
     python bench/scaling.py --max-procs 8 --images 50000 --epochs 2   # a GPU node
@@ -53,8 +54,10 @@ def main() -> None:
             summary = json.loads((work / f"x{n}" / "optimized" / "train.json").read_text())
             throughput[n] = summary["throughput_img_s"]
             eff = throughput[n] / (n * throughput[1])
+            # On a CPU the N processes share the cores one process used: T_N / T_1 is what the plan
+            # multiplies by (plan.CPU_SHARED_CORES); on GPUs (a device each) it is N x efficiency.
             print(f"nproc={n}: {throughput[n]:.0f} img/s, {summary['threads_per_process']} threads/process, "
-                  f"scaling_efficiency={eff:.2f}", flush=True)
+                  f"T_N/T_1={throughput[n] / throughput[1]:.2f}, scaling_efficiency={eff:.2f}", flush=True)
 
 
 if __name__ == "__main__":

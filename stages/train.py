@@ -27,29 +27,35 @@ def main() -> int:
     parser.add_argument("--data", default="data/prepared")
     parser.add_argument("--models", default="models", help="checkpoints go to <models>/<variant>/")
     parser.add_argument("--metrics", default="metrics", help="train.json goes to <metrics>/<variant>/")
-    parser.add_argument("--tuned", default=None, help="the profile's <variant>_tuned.yaml (values for `auto`)")
-    parser.add_argument("--budget", default=None, help="the plan's budget.yaml (images per epoch under the budget)")
+    parser.add_argument("--tuned", default=None, help="the profile's tuned values for `auto` knobs "
+                        "(default: <metrics>/profile/<variant>_tuned.yaml when it exists)")
+    parser.add_argument("--budget", default=None, help="the plan's images per epoch under the budget "
+                        "(default: <metrics>/plan/budget.yaml when it exists)")
     parser.add_argument("--nnodes", type=int, help="override train.nnodes (e.g. $SLURM_NNODES)")
     parser.add_argument("--node-rank", type=int, help="override train.node_rank (e.g. $SLURM_NODEID)")
     parser.add_argument("--rdzv-endpoint", help="override train.rdzv_endpoint (host:port of node 0)")
     args = parser.parse_args()
+    # Every node runs this same command and reads the same committed files: the standard paths are
+    # the defaults, so a node started without the flags cannot train another config.
+    tuned = Path(args.tuned or Path(args.metrics) / "profile" / f"{args.variant}_tuned.yaml")
+    budget = Path(args.budget or Path(args.metrics) / "plan" / "budget.yaml")
     try:
         cfg = resolve(load_params(args.params), args.variant)
         overrides = {k: v for k, v in (("nnodes", args.nnodes), ("node_rank", args.node_rank),
                                        ("rdzv_endpoint", args.rdzv_endpoint)) if v is not None}
-        cfg = apply_budget(cfg.with_train(**overrides), read_budget(Path(args.budget) if args.budget else None))
+        cfg = apply_budget(cfg.with_train(**overrides), read_budget(budget))
     except (ParamsError, ValueError) as exc:
         print(f"train: {exc}", file=sys.stderr)
         return 2
     if needs_torchrun(cfg.train):
-        return relaunch(cfg.train, __file__, sys.argv[1:])
-    info = init_distributed(cfg.train.device)
+        return relaunch(cfg.train, __file__, sys.argv[1:], run_id=f"cnnpipe-{args.variant}")
     try:
+        info = init_distributed(cfg.train.device, cfg.train.node_rank)
         fit(cfg, info, Path(args.data), Path(args.models) / args.variant,
             Path(args.metrics) / args.variant / "train.json", Path(args.metrics) / args.variant / "live",
-            tuned=read_tuned(Path(args.tuned)) if args.tuned else None)
+            tuned=read_tuned(tuned) if tuned.exists() else None)
     except (WeightsUnavailable, NonFiniteLoss, UnsafeCheckpoint, DiskFull, ValueError,
-            FileNotFoundError) as exc:
+            FileNotFoundError) as exc:  # ConfigMismatch (the nodes disagree) is a ValueError
         print(f"train[{args.variant}]: {exc}", file=sys.stderr)
         return 2
     finally:

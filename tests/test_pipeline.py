@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from cnnpipe.train.precision import cpu_has_fast_bf16
-from conftest import ROOT, tiny_params, write_params
+from conftest import ROOT, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +48,9 @@ def project(tmp_path_factory, fake_fmnist) -> Path:
     params = tiny_params()
     params["data"]["stored_size"] = 32  # resized from 28 by prepare, cropped to 28 for the model
     write_params(root / "params.yaml", params)
-    (root / ".gitignore").write_text("/data/raw/\n")
+    shutil.copy2(ROOT / ".gitignore", root / ".gitignore")
     run(["git", "init", "-q"], root)
+    run(["dvc", "add", "-q", "data/raw/fashion-mnist"], root)  # the raw data travels through DVC too
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], root)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], root)
     return root
@@ -109,6 +111,32 @@ def test_second_repro_is_a_noop(project):
 def _stale(project: Path) -> set[str]:
     status = json.loads(run(["dvc", "status", "--json"], project).strip().splitlines()[-1])
     return set(status) - {"machine"}  # always changed by design
+
+
+def test_another_node_gets_data_models_and_results_from_a_dvc_remote(project, tmp_path):
+    """docs/distributed.md's recipe for node k: the same commit, `dvc pull` from the remote, and
+    nothing left to run but the machine stage (which always runs) before training or predicting."""
+    run(["dvc", "repro"], project)
+    remote = tmp_path / "remote"
+    run(["dvc", "remote", "add", "-f", "-d", "shared", str(remote)], project)
+    run(["git", "add", "-A"], project)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "results", "--allow-empty"], project)
+    run(["dvc", "push"], project)
+    node = tmp_path / "node1"
+    run(["git", "clone", "-q", str(project), str(node)], tmp_path)
+    run(["dvc", "pull"], node)
+    status = run(["dvc", "status"], node)
+    assert stages_changed(status) == ["machine"], status
+    assert (node / "data" / "prepared" / "index.json").exists()
+    assert (node / "models" / "optimized" / "best.pt").exists()
+    image = save_image(tmp_path / "shoe.png", np.full((28, 28), 200, np.uint8))
+    out = run([sys.executable, "-m", "cnnpipe.predict", str(image)], node)
+    assert "1 classified" in out
+
+
+def stages_changed(status: str) -> list[str]:
+    """Stage names `dvc status` lists (lines `name:` at the start), in order."""
+    return [line[:-1] for line in status.splitlines() if line.endswith(":") and not line.startswith((" ", "\t"))]
 
 
 @pytest.mark.parametrize("key, value, stale", [

@@ -294,3 +294,32 @@ def test_a_full_disk_while_writing_a_metrics_file(tmp_path, monkeypatch):
     with pytest.raises(DiskFull, match=r"train.json: the disk is full .* previous train.json is unchanged"):
         files.write_json(target, {"a": 2})
     assert json.loads(target.read_text()) == {"a": 1} and not (tmp_path / "train.json.tmp").exists()
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "not a checkpoint"])
+def test_an_unreadable_last_pt_is_set_aside_and_training_starts_over(tmp_path, prepared, capsys, damage):
+    """A last.pt cut short (a full disk, a killed copy) used to fail every `dvc repro` with the same
+    traceback until someone found the file; now it is moved aside with a message naming it."""
+    cfg = run_config(tmp_path, epochs=1)
+    fit(cfg, prepared, tmp_path / "whole")
+    good = (tmp_path / "whole" / "models" / "last.pt").read_bytes()
+    last = tmp_path / "models" / "last.pt"
+    last.parent.mkdir(parents=True)
+    last.write_bytes({"empty": b"", "truncated": good[: len(good) // 2], "not a checkpoint": b"hello"}[damage])
+    summary = fit(cfg, prepared, tmp_path)
+    err = capsys.readouterr().err
+    assert f"{last}: not a readable checkpoint" in err and "last.pt.corrupt" in err and "starts from epoch 1" in err
+    assert summary["epochs"] == 1 and summary["resumed_from_epoch"] is None
+    assert (tmp_path / "models" / "last.pt.corrupt").exists() and ckpt.load(last)["epoch"] == 1
+
+
+def test_a_hostile_pickle_is_still_refused_not_set_aside(tmp_path):
+    class Hostile:
+        def __reduce__(self):
+            return (print, ("this ran",))
+
+    path = tmp_path / "last.pt"
+    torch.save({"model": Hostile()}, path, pickle_protocol=2, _use_new_zipfile_serialization=True)
+    with pytest.raises(ckpt.UnsafeCheckpoint):
+        ckpt.load(path)
+    assert path.exists()

@@ -142,7 +142,11 @@ class TrainConfig:
     node_rank: int = 0
     """This machine's rank among `nnodes` (node 0 writes the outputs)."""
     rdzv_endpoint: str = "127.0.0.1:29400"
-    """host:port of node 0, reachable from every node."""
+    """host:port of node 0, reachable from every node (torchrun's c10d rendezvous)."""
+    max_restarts: int = 3
+    """torchrun restarts of the whole worker group after a worker dies; each resumes from last.pt."""
+    join_timeout_s: int = 300
+    """How long node 0 waits for every node to join before failing with a clear error."""
     threads: int | None = None
     """torch intra-op threads per process; null = cores / processes."""
     checkpoint_every: int = 1
@@ -192,6 +196,10 @@ class TrainConfig:
             reject("train.nnodes", self.nnodes, "an integer >= 1")
         if not 0 <= self.node_rank < self.nnodes:
             reject("train.node_rank", self.node_rank, f"an integer in [0, train.nnodes={self.nnodes})")
+        if self.max_restarts < 0:
+            reject("train.max_restarts", self.max_restarts, "an integer >= 0")
+        if self.join_timeout_s < 1:
+            reject("train.join_timeout_s", self.join_timeout_s, "seconds >= 1")
         host, _, port = self.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
             reject("train.rdzv_endpoint", self.rdzv_endpoint, "host:port, e.g. 10.0.0.1:29400")
@@ -203,6 +211,11 @@ class TrainConfig:
             reject("train.val_images", self.val_images, "null (all) or an integer >= 10")
         if self.min_steps is not None and self.min_steps < 1:
             reject("train.min_steps", self.min_steps, "null (keep train.batch_size) or an integer >= 1")
+
+
+LAUNCH_ONLY = ("node_rank", "rdzv_endpoint", "max_restarts", "join_timeout_s")
+"""`train` keys that only say where and how a process is launched: never part of what training
+computes (the checkpoint fingerprint, the nodes' config check)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ data wait, copy and augmentation separately. Evaluation uses `eval_transform` fo
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -179,9 +181,13 @@ class FastTransform:
         """RNG states, for exact resume."""
         return {k: g.get_state() for k, g in self._generators.items()}
 
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        for key, value in state.items():
-            self._generator(torch.device(key)).set_state(value)
+    def load_state(self, state: dict[str, torch.Tensor], device: torch.device) -> bool:
+        """Restore the generator saved for a device of `device`'s type onto `device` (a GPU's state fits
+        any GPU index); False, and nothing restored, when none was (a GPU run resumed on the CPU)."""
+        same_kind = [value for key, value in state.items() if torch.device(key).type == device.type]
+        if same_kind:
+            self._generator(device).set_state(same_kind[0])
+        return bool(same_kind)
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if not self.train:
@@ -263,6 +269,24 @@ def _keep_layout(channels_last: bool):
     return lambda x: x.contiguous(memory_format=fmt)
 
 
+SHM = Path("/dev/shm")
+
+
+def check_shared_memory(num_workers: int, batch_bytes: int, prefetch_factor: int = 2) -> None:
+    """Loader workers hand their batches over in /dev/shm: fail before training, with what to do,
+    when it cannot hold what they keep in flight (a container's default is 64 MB, and running out
+    there is a bus error in a worker, not a message)."""
+    if num_workers == 0 or not SHM.is_dir():
+        return
+    need = 2 * num_workers * prefetch_factor * batch_bytes  # in flight, plus the copies being freed
+    free = shutil.disk_usage(SHM).free
+    if free < need:
+        raise ValueError(f"{SHM} has {free / 2**20:,.0f} MB free; {num_workers} loader workers need about "
+                         f"{need / 2**20:,.0f} MB there for their batches. In Docker run with --ipc=host or "
+                         f"--shm-size=8g (Kubernetes: an emptyDir with medium: Memory at /dev/shm), or set "
+                         f"train.num_workers: 0")
+
+
 def build_train_loader(split: PreparedSplit, *, kind: str, batch_size: int, aug: AugmentConfig,
                        mean: Sequence[float], std: Sequence[float], seed: int, rank: int = 0,
                        world_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
@@ -278,6 +302,10 @@ def build_train_loader(split: PreparedSplit, *, kind: str, batch_size: int, aug:
     sampler = ShardSampler(len(split), batch_size, shuffle=True, drop_last=True, seed=seed, rank=rank,
                            world_size=world_size, per_epoch=images_per_epoch)
     extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor} if num_workers > 0 else {}
+    # What one batch weighs in /dev/shm: uint8 at the stored size (fast), float32 crops (baseline).
+    stored = split.images.shape[1]
+    batch_bytes = batch_size * split.channels * (stored**2 if kind == "fast" else 4 * aug.image_size**2)
+    check_shared_memory(num_workers, batch_bytes, prefetch_factor)
     if kind == "fast":
         loader = DataLoader(_UInt8Batches(split), sampler=sampler, batch_size=None, num_workers=num_workers,
                             pin_memory=pin_memory, **extra)

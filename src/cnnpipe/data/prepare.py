@@ -214,14 +214,30 @@ def prepare_image_folder(cfg: DataConfig, seed: int, out_dir: Path, root: Path) 
 
 # --------------------------------------------------------------------------- entry point
 def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path) -> dict[str, Any]:
-    """Write the prepared data set to `out_dir` and the data report to `report_path`."""
+    """Write the prepared data set to `out_dir` and the data report to `report_path`.
+
+    The new store is written beside the old one (`<out_dir>.new`) and swapped in by renames, so no
+    file of the old store is ever rewritten: a trainer that has it memory-mapped (a shared
+    filesystem, a hardlinked DVC cache) keeps reading the old version, and a failed prepare leaves
+    the old store as it was.
+    """
     out_dir, report_path = Path(out_dir), Path(report_path)
+    new, old = out_dir.with_name(out_dir.name + ".new"), out_dir.with_name(out_dir.name + ".old")
+    for leftover in (new, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    new.mkdir(parents=True)
+    try:
+        if cfg.source == "fashion-mnist":
+            report = prepare_fashion_mnist(cfg, seed, new)
+        else:
+            report = prepare_image_folder(cfg, seed, new, Path(cfg.source).expanduser())
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
     if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    if cfg.source == "fashion-mnist":
-        report = prepare_fashion_mnist(cfg, seed, out_dir)
-    else:
-        report = prepare_image_folder(cfg, seed, out_dir, Path(cfg.source).expanduser())
+        out_dir.rename(old)
+    new.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)  # unlinks only: open maps of the old files stay valid
     write_json(report_path, report)
     return report

@@ -39,6 +39,29 @@ VAL_UNDER_BUDGET = 1000
 best epoch, for a sixth of the cost of Fashion-MNIST's 6,000."""
 PARITY_UNDER_BUDGET = 1000
 """Test images the export parity check covers when the budget binds (the whole split otherwise)."""
+DDP_EFFICIENCY = 0.9
+"""Throughput per added GPU, or per added node, under DDP: stated, not measured here. The article's
+8-GPU run gave 7.2x (0.9); `bench/scaling.py` measures it on a real cluster."""
+CPU_SHARED_CORES = 0.55
+"""N training processes on one CPU node share the cores the profile's single process used, and
+all-reduce ResNet-50's 100 MB of gradients every step over loopback: the node trains at about this
+times the single process's speed (measured 0.54: 2 processes of 1 thread at 100 img/s vs 1 of 2
+threads at 187, batch 128, 32 px, Intel Xeon with AMX: `python bench/scaling.py --epochs 2`)."""
+
+
+def world_scaling(device: str, nproc: int, nnodes: int) -> tuple[float, str]:
+    """(speed factor over the profiled single process, how it was reckoned) for `nproc` x `nnodes`."""
+    if nproc * nnodes == 1:
+        return 1.0, "one process"
+    nodes = nnodes * (DDP_EFFICIENCY if nnodes > 1 else 1.0)
+    if device == "cuda":
+        factor = nproc * (DDP_EFFICIENCY if nproc > 1 else 1.0) * nodes
+        return factor, (f"{nproc} GPUs x {nnodes} node(s), {DDP_EFFICIENCY} per added GPU and node (stated): "
+                        f"{factor:.2f}x the profiled GPU")
+    factor = (CPU_SHARED_CORES if nproc > 1 else 1.0) * nodes
+    return factor, (f"{nproc} processes share each node's cores ({CPU_SHARED_CORES} of one process's speed, "
+                    f"measured), {nnodes} node(s){f' at {DDP_EFFICIENCY} each (stated)' if nnodes > 1 else ''}: "
+                    f"{factor:.2f}x the profiled process")
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,9 @@ class Recipe:
     """train.val_images: validation images per epoch asked for (None: the whole val split)."""
     amp: str = "off"
     """The precision training runs in (the export check always runs fp32)."""
+    scale: float = 1.0
+    """Training speed of the whole job over the profiled single process (`world_scaling`)."""
+    scaling: str = "one process"
 
     def batch_for(self, images_per_epoch: int) -> int:
         """The per-process batch training will use when each epoch draws `images_per_epoch` images."""
@@ -75,7 +101,7 @@ class Recipe:
 
     def train_speed(self, images_per_epoch: int) -> float:
         """Training images/s at the batch that run will use."""
-        return self.train_img_s * self.smaller_batch_speed.get(self.batch_for(images_per_epoch), 1.0)
+        return self.train_img_s * self.smaller_batch_speed.get(self.batch_for(images_per_epoch), 1.0) * self.scale
 
 
 def steady_speed(profile: dict[str, Any]) -> float:
@@ -100,9 +126,10 @@ def recipe_from_profile(cfg: VariantConfig, profile: dict[str, Any]) -> Recipe:
     smaller = {int(e["change"]["batch_size"]): float(e["speed_vs_tuned"])
                for e in profile.get("smaller_batches", []) if e.get("speed_vs_tuned")}
     amp = profile.get("tuned", {}).get("amp", profile.get("amp", "off"))
+    scale, scaling = world_scaling(profile.get("device", "cpu"), t.nproc, t.nnodes)
     return Recipe(cfg.variant, t.epochs, t.batch_size * world * t.accum_steps, train_img_s, eval_img_s,
                   float(profile.get("stage_time_s", 0.0)), t.batch_size, world, t.accum_steps, t.min_steps, smaller,
-                  t.val_images, amp)
+                  t.val_images, amp, scale, scaling)
 
 
 def checked_images(fraction: float, n_val: int, n_test: int, val_images: int | None) -> tuple[int, int]:
@@ -117,7 +144,9 @@ def checked_images(fraction: float, n_val: int, n_test: int, val_images: int | N
 def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int, n_parity: int) -> dict[str, float]:
     """Predicted wall time of train, evaluate and export for one recipe (`n_val`: validation images
     per epoch; `n_parity`: test images the export check covers)."""
-    train = r.epochs * (images_per_epoch / r.train_speed(images_per_epoch) + n_val / r.eval_img_s) + STARTUP_S
+    # Validation is sharded over the ranks like training; evaluate and export run as one process.
+    val_s = n_val / (r.eval_img_s * r.scale)
+    train = r.epochs * (images_per_epoch / r.train_speed(images_per_epoch) + val_s) + STARTUP_S
     bench = 6 * 256 / r.eval_img_s  # evaluate's model-only throughput measurement
     evaluate = n_test / r.eval_img_s + bench + STARTUP_S
     fp32 = 1.0 if r.amp == "off" else FP32_EXPORT_SLOWDOWN
@@ -221,6 +250,9 @@ def to_text(plan: dict[str, Any]) -> str:
     lines += ["", "Speeds measured by the profile stages: " + "; ".join(
         f"{r['variant']} {r['train_img_s']:.0f} img/s training, ~{r['eval_img_s']:.0f} img/s inference"
         for r in plan["recipes"]) + ".", ""]
+    scaled = [f"{r['variant']}: {r['scaling']}" for r in plan["recipes"] if r.get("scale", 1.0) != 1.0]
+    if scaled:
+        lines[-1:-1] = ["Training speed at the job's world size: " + "; ".join(scaled) + "."]
     slower = [f"{r['variant']} at batch {b}: {speed:.2f}x" for r in plan["recipes"]
               for b, speed in sorted(r.get("smaller_batch_speed", {}).items(), reverse=True)]
     if slower:

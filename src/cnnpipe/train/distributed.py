@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+class ConfigMismatch(ValueError):
+    """The nodes of one job resolved different training settings."""
 
 
 @dataclass(frozen=True)
@@ -18,11 +24,14 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    primary_rank: int = 0
+    """The rank that writes metrics, logs and checkpoints: local rank 0 of node 0 (`train.node_rank`),
+    where `dvc repro` runs. Not always global rank 0: the c10d rendezvous orders nodes by address."""
 
     @property
     def is_primary(self) -> bool:
-        """Rank 0 alone writes metrics, logs and checkpoints."""
-        return self.rank == 0
+        """This process alone writes metrics, logs and checkpoints."""
+        return self.rank == self.primary_rank
 
     @property
     def distributed(self) -> bool:
@@ -43,8 +52,11 @@ def under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def init_distributed(device_preference: str = "auto") -> DistInfo:
-    """Join the process group when launched by torchrun; otherwise a single-process DistInfo."""
+def init_distributed(device_preference: str = "auto", node: int = 0) -> DistInfo:
+    """Join the process group when launched by torchrun; otherwise a single-process DistInfo.
+
+    `node` is this machine's `train.node_rank`: local rank 0 of node 0 becomes the primary rank.
+    """
     if not under_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return DistInfo(device=resolve_device(device_preference))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -55,7 +67,15 @@ def init_distributed(device_preference: str = "auto") -> DistInfo:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(minutes=30))
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    info = DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    where = all_gather_objects((node, local_rank, socket.gethostname()), info)
+    nodes = sorted(n for n, local, _ in where if local == 0)  # one entry per node's agent
+    if nodes != list(range(len(nodes))):
+        hosts = ", ".join(sorted({f"{h}: train.node_rank={n}" for n, _, h in where}))
+        raise ConfigMismatch(f"the nodes' train.node_rank values are {nodes}, not 0..{len(nodes) - 1} once each "
+                             f"({hosts}): give each node its own --node-rank")
+    primary = next(r for r, (n, local, _) in enumerate(where) if n == 0 and local == 0)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device, primary_rank=primary)
 
 
 def cleanup() -> None:
@@ -80,6 +100,59 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
 def all_reduce_max(values: list[float], info: DistInfo) -> list[float]:
     """Element-wise max across ranks (identity on one process)."""
     return _all_reduce(values, info, dist.ReduceOp.MAX)
+
+
+def all_gather_objects(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's `obj`, in rank order (`[obj]` on one process)."""
+    if not info.distributed:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, info: DistInfo) -> Any:
+    """The primary rank's `obj` on every rank (the others pass anything, e.g. None)."""
+    if not info.distributed:
+        return obj
+    box = [obj if info.is_primary else None]
+    dist.broadcast_object_list(box, src=info.primary_rank)
+    return box[0]
+
+
+def check_same_settings(settings: dict[str, Any], info: DistInfo, node: int = 0) -> None:
+    """Every rank exchanges its resolved settings; on any difference every rank raises ConfigMismatch
+    naming the keys and each node's value (before any training step, so no rank waits on a
+    collective the others never reach)."""
+    if not info.distributed:
+        return
+    everyone = all_gather_objects((node, socket.gethostname(), settings), info)
+    _, primary_host, reference = everyone[info.primary_rank]
+    differ: dict[str, dict[str, Any]] = {}
+    for node, host, theirs in everyone:
+        for key in sorted(set(reference) | set(theirs)):
+            if theirs.get(key) != reference.get(key):
+                differ.setdefault(key, {})[f"node {node} ({host})"] = theirs.get(key)
+    if differ:
+        where = {key: {f"node 0 ({primary_host})": reference.get(key), **values} for key, values in differ.items()}
+        lines = "; ".join(f"{key}: " + ", ".join(f"{v!r} on {n}" for n, v in values.items())
+                          for key, values in where.items())
+        raise ConfigMismatch(f"the nodes disagree on {', '.join(differ)} ({lines}). Every node must run the same "
+                             "commit with the same params.yaml, metrics/profile/<variant>_tuned.yaml, "
+                             "metrics/plan/budget.yaml and data/prepared (`git pull && dvc pull` on each node).")
+
+
+def sync_buffers(model: torch.nn.Module, info: DistInfo) -> None:
+    """Global rank 0's buffers (BatchNorm running statistics) on every rank.
+
+    Each rank updates its running statistics from its own batches, and DDP overwrites them with
+    rank 0's at the start of every forward. Syncing at the end of an epoch changes nothing in
+    training, but validation then runs with one set of statistics on every rank, and the checkpoint
+    holds the ones training continues from, whichever node rank 0 lands on.
+    """
+    if info.distributed:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def barrier(info: DistInfo) -> None:

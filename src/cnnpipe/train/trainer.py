@@ -29,7 +29,16 @@ from cnnpipe.models import InitInfo, create_model, model_mean_std
 from cnnpipe.monitor import GpuUtilSampler, peak_mem_mb, process_seconds
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.budget import fit_batch_to_steps
-from cnnpipe.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, unwrap
+from cnnpipe.train.distributed import (
+    DistInfo,
+    all_gather_objects,
+    all_reduce_max,
+    all_reduce_sum,
+    broadcast_object,
+    check_same_settings,
+    sync_buffers,
+    unwrap,
+)
 from cnnpipe.train.engine import StepContext, evaluate_top1, train_one_epoch
 from cnnpipe.train.precision import grad_scaler, resolve_amp
 from cnnpipe.train.schedule import LrSchedule
@@ -170,13 +179,32 @@ class _Progress:
     resumed_from: int | None = None
 
 
+def _read_last(last_path: Path, info: DistInfo, note: str) -> dict[str, Any] | None:
+    """The primary rank's last.pt, on every rank (other nodes may have no copy on their disk).
+
+    A file that is not a readable checkpoint (empty, truncated by a full disk or a copy) is set
+    aside as `last.pt.corrupt` with a message, and training starts over, instead of the same
+    traceback on every run.
+    """
+    state = None
+    if info.is_primary and last_path.exists():
+        try:
+            state = ckpt.load(last_path)
+        except ckpt.CorruptCheckpoint as exc:
+            aside = last_path.with_name(last_path.name + ".corrupt")
+            os.replace(last_path, aside)
+            print(f"{note}{exc}; moved it to {aside} and training starts from epoch 1", file=sys.stderr)
+    return broadcast_object(state, info)
+
+
 def _resume(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, ema: torch.nn.Module | None,
             last_path: Path, fingerprint: str) -> _Progress:
-    """Restore an unfinished run from `last_path` (made under the same params and data) into `parts`."""
-    if not last_path.exists():
-        return _Progress()
-    state = ckpt.load(last_path)
+    """Restore an unfinished run from `last_path` (made under the same params and data) into `parts`,
+    on every rank: each gets its own RNG states back."""
     note = f"train[{cfg.variant}]: "
+    state = _read_last(last_path, info, note)
+    if state is None:
+        return _Progress()
     if state.get("fingerprint") != fingerprint:
         if info.is_primary:
             print(f"{note}NOT resuming {last_path}: it was made under different params or data "
@@ -194,30 +222,47 @@ def _resume(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, ema: torch
         parts.scaler.load_state_dict(state["scaler"])
     if ema is not None and state.get("ema"):
         ema.load_state_dict(state["ema"])
-    ckpt.set_rng_state(state["rng"][info.rank] if info.rank < len(state["rng"]) else state["rng"][0])
-    if state.get("augment_rng") and hasattr(parts.loader.device_transform, "load_state"):
-        parts.loader.device_transform.load_state(state["augment_rng"])
+    rngs, augment = state["rng"], state.get("augment_rng") or [{}]
+    if isinstance(augment, dict):  # older checkpoints: the primary rank's only
+        augment = [augment]
+    # A rank beyond those saved (a checkpoint from an older, primary-only format) takes the first.
+    ckpt.set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], info.device)
+    mine = augment[info.rank] if info.rank < len(augment) else augment[0]
+    if mine and hasattr(parts.loader.device_transform, "load_state"):
+        if not parts.loader.device_transform.load_state(mine, info.device) and info.is_primary:
+            print(f"{note}the augmentation RNG was saved on {', '.join(mine)}, not {info.device}: re-seeded",
+                  file=sys.stderr)
     parts.init = type(parts.init)(**state["init"])
-    if info.is_primary:
-        print(f"{note}resuming from {last_path} after epoch {state['epoch']}/{cfg.train.epochs}")
+    if info.local_rank == 0:  # each node says where it resumed (the checkpoint came from the primary's disk)
+        where = f"node {cfg.train.node_rank} " if info.distributed else ""
+        print(f"{note}{where}resuming from {last_path} after epoch {state['epoch']}/{cfg.train.epochs}", flush=True)
     return _Progress(state["epoch"], state["history"], state.get("best_top1", -1.0), state["epoch"])
 
 
-def _save_checkpoints(cfg: VariantConfig, parts: TrainingParts, model: torch.nn.Module, ema: torch.nn.Module | None,
-                      progress: _Progress, fingerprint: str, epoch: int, improved: bool, model_dir: Path) -> None:
-    """last.pt every `train.checkpoint_every` epochs and at the end; best.pt when validation improved."""
+def _save_checkpoints(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, model: torch.nn.Module,
+                      ema: torch.nn.Module | None, progress: _Progress, fingerprint: str, epoch: int, improved: bool,
+                      model_dir: Path) -> None:
+    """last.pt every `train.checkpoint_every` epochs and at the end, with every rank's RNG states;
+    best.pt when validation improved. Called on every rank (the RNG states are gathered); the
+    primary rank writes."""
+    due = (epoch + 1) % cfg.train.checkpoint_every == 0 or epoch + 1 == cfg.train.epochs
+    if due:
+        augment = getattr(parts.loader.device_transform, "state", dict)()
+        rngs = all_gather_objects((ckpt.rng_state(info.device), augment), info)
+    if not info.is_primary:
+        return
     state = {
         "fingerprint": fingerprint, "epoch": epoch + 1, "history": progress.history,
         "best_top1": progress.best_top1, "model": unwrap(model).state_dict(),
-        "optimizer": parts.optimizer.state_dict(),
-        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-        "ema": ema.state_dict() if ema is not None else None,
-        "rng": [ckpt.rng_state()],
-        "augment_rng": getattr(parts.loader.device_transform, "state", dict)(),
         "init": parts.init.to_dict(), "meta": _model_meta(cfg, parts.split, parts.mean, parts.std, parts.amp),
+        "ema": ema.state_dict() if ema is not None else None,
     }
-    if (epoch + 1) % cfg.train.checkpoint_every == 0 or epoch + 1 == cfg.train.epochs:
-        ckpt.save_atomic(state, model_dir / "last.pt")
+    if due:
+        ckpt.save_atomic({
+            **state, "optimizer": parts.optimizer.state_dict(),
+            "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+            "rng": [r for r, _ in rngs], "augment_rng": [a for _, a in rngs],
+        }, model_dir / "last.pt")
     if improved:
         ckpt.save_atomic({k: state[k] for k in ("model", "ema", "meta", "init", "epoch", "fingerprint")},
                          model_dir / "best.pt")
@@ -238,6 +283,11 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     cfg = fit_batch_to_steps(cfg, len(train_split), info.world_size)
     cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
     batch_note = _batch_note(cfg, requested_batch)
+    data_fingerprint = ckpt.data_fingerprint(prepared_dir)
+    # Before anything else: nodes that resolved different settings (or hold different data) would
+    # disagree on the number of steps and wait on each other's collectives until a timeout.
+    check_same_settings(ckpt.computed_settings(cfg, data_fingerprint), info, cfg.train.node_rank)
+    cfg = _workers_fit_cores(cfg, info)
     seed_everything(cfg.seed, info.rank)
     threads = set_threads(cfg, info)
     t = cfg.train
@@ -251,7 +301,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
                                    world_size=info.world_size)
     val_transform = FastTransform(parts.aug, parts.mean, parts.std, train=False, channels_last=t.channels_last,
                                   seed=cfg.seed)
-    fingerprint = ckpt.fingerprint(cfg, ckpt.data_fingerprint(prepared_dir))
+    fingerprint = ckpt.fingerprint(cfg, data_fingerprint)
     progress = _resume(cfg, info, parts, ema, model_dir / "last.pt", fingerprint)
     ctx, model = step_context(cfg, parts, info, parts.schedule, ema)
     live = _Live(live_dir if info.is_primary else None, resume=bool(progress.resumed_from))
@@ -268,6 +318,9 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
         batches = tqdm(parts.loader, total=len(parts.loader), desc=f"{cfg.variant} epoch {epoch + 1}/{t.epochs}",
                        unit="step", leave=False, disable=None if info.is_primary else True)
         stats = train_one_epoch(ctx, batches, parts.loader.device_transform, epoch * parts.steps_per_epoch)
+        sync_buffers(unwrap(model), info)
+        if ema is not None:
+            sync_buffers(ema.module, info)
         val = evaluate_top1(unwrap(model), val_loader, val_transform, info, parts.amp)
         record = _epoch_record(epoch, stats, val, info)
         if ema is not None:
@@ -282,10 +335,10 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
                              "val/loss": record["val_loss"], "lr": record["lr"],
                              "epoch_time_s": record["epoch_time_s"], "throughput_img_s": record["throughput_img_s"],
                              "data_wait_frac": record["data_wait_frac"]})
-            _save_checkpoints(cfg, parts, model, ema, progress, fingerprint, epoch, improved, model_dir)
             print(f"train[{cfg.variant}] epoch {epoch + 1}/{t.epochs} loss={record['train_loss']:.4f} "
                   f"val_top1={record['val_top1']:.4f} time={record['epoch_time_s']:.1f}s "
                   f"{record['throughput_img_s']:.0f} img/s data_wait={record['data_wait_frac']:.1%}", flush=True)
+        _save_checkpoints(cfg, info, parts, model, ema, progress, fingerprint, epoch, improved, model_dir)
     gpu_util = gpu.stop()
     live.end()
     if not info.is_primary:
@@ -297,6 +350,21 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())
     return summary
+
+
+def _workers_fit_cores(cfg: VariantConfig, info: DistInfo) -> VariantConfig:
+    """Loader workers per rank within this node's cores: the profile tunes `num_workers` for one
+    process, and N ranks each starting that many would oversubscribe the node."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    if local <= 1 or cfg.train.num_workers == 0:
+        return cfg
+    fits = max(0, usable_cores() // local - 1)  # a core per rank stays with its training step
+    if cfg.train.num_workers <= fits:
+        return cfg
+    if info.is_primary:
+        print(f"train[{cfg.variant}]: num_workers {cfg.train.num_workers} -> {fits} per rank "
+              f"({usable_cores()} cores, {local} ranks on this node)", flush=True)
+    return cfg.with_train(num_workers=fits)
 
 
 def _batch_note(cfg: VariantConfig, requested_batch: int) -> str:

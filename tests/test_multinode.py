@@ -1,0 +1,156 @@
+"""Two nodes on 127.0.0.1, as docs/distributed.md runs them: two checkouts (separate working trees,
+so separate disks), one torchrun agent each, the c10d rendezvous, the same command on both."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from cnnpipe.data.prepare import prepare_fashion_mnist
+from cnnpipe.params import resolve
+from conftest import ROOT, tiny_params, write_params
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_params(**train) -> dict:
+    """resnet18 at 28 px, random crops and flips (so every rank's RNG state matters on resume), fp32."""
+    params = tiny_params(**{"amp": "off", "batch_size": 16, "epochs": 4, "nnodes": 2, **train})
+    params["model"]["name"] = "resnet18"
+    return params
+
+
+@pytest.fixture(scope="module")
+def prepared(fake_fmnist, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared")
+    prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 0, out, search_dirs=(fake_fmnist,))
+    return out
+
+
+def checkout(root: Path, params: dict, prepared: Path) -> Path:
+    """A node's working tree: the stage scripts, its own params.yaml and its own copy of the data
+    (what `git clone` + `dvc pull` give a node)."""
+    root.mkdir(parents=True)
+    shutil.copytree(ROOT / "stages", root / "stages")
+    shutil.copytree(prepared, root / "data" / "prepared")
+    write_params(root / "params.yaml", params)
+    return root
+
+
+def start(tree: Path, node: int, port: int) -> subprocess.Popen:
+    """The documented command for node `node`, run from its checkout."""
+    log = open(tree / f"node{node}.log", "a")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "stages/train.py", "optimized", "--node-rank", str(node),
+                             "--rdzv-endpoint", f"127.0.0.1:{port}"], cwd=tree, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a node's launcher, torchrun agent and workers (the workers have sessions of their own),
+    as a power cut would."""
+    try:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float = 600) -> list[int]:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    return [p.returncode for p in procs]
+
+
+def log(tree: Path, node: int) -> str:
+    return (tree / f"node{node}.log").read_text()
+
+
+def weights(tree: Path) -> dict[str, torch.Tensor]:
+    return torch.load(tree / "models" / "optimized" / "last.pt", weights_only=True)["model"]
+
+
+def test_killed_on_both_nodes_both_resume_at_the_same_epoch_and_match_an_uninterrupted_run(tmp_path, prepared):
+    params = node_params()
+    straight = [checkout(tmp_path / f"straight{k}", params, prepared) for k in (0, 1)]
+    port = free_port()
+    assert wait_all([start(tree, k, port) for k, tree in enumerate(straight)]) == [0, 0]
+
+    nodes = [checkout(tmp_path / f"node{k}", params, prepared) for k in (0, 1)]
+    port = free_port()
+    procs = [start(tree, k, port) for k, tree in enumerate(nodes)]
+    last = nodes[0] / "models" / "optimized" / "last.pt"
+    deadline = time.monotonic() + 300
+    while not last.exists():  # the signal to kill on: the first checkpoint is written
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), log(nodes[0], 0)[-3000:]
+        time.sleep(0.02)
+    for p in procs:
+        kill_tree(p)
+    saved = torch.load(last, weights_only=True)["epoch"]
+    assert 1 <= saved < 4, "the run ended before the kill; make its epochs longer"
+    assert not (nodes[1] / "models").exists()  # only node 0's disk holds the checkpoint
+
+    port = free_port()
+    assert wait_all([start(tree, k, port) for k, tree in enumerate(nodes)]) == [0, 0], log(nodes[0], 0)[-3000:]
+    for k in (0, 1):  # every node says where it resumed
+        assert f"node {k} resuming from" in log(nodes[k], k) and f"after epoch {saved}/4" in log(nodes[k], k)
+    summary = json.loads((nodes[0] / "metrics" / "optimized" / "train.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs"] == 4 and summary["resumed_from_epoch"] == saved
+    reference, resumed = weights(straight[0]), weights(nodes[0])
+    for name, tensor in reference.items():
+        assert torch.equal(tensor, resumed[name]), name
+
+
+def test_nodes_with_different_params_both_stop_within_a_minute_naming_the_key(tmp_path, prepared):
+    trees = [checkout(tmp_path / "node0", node_params(), prepared),
+             checkout(tmp_path / "node1", node_params(lr=0.1), prepared)]
+    port, began = free_port(), time.monotonic()
+    codes = wait_all([start(tree, k, port) for k, tree in enumerate(trees)], timeout=120)
+    took = time.monotonic() - began
+    assert all(code != 0 for code in codes)
+    assert took < 60, f"the nodes took {took:.0f} s to give up"
+    for k, tree in enumerate(trees):
+        out = log(tree, k)
+        assert "the nodes disagree on train.lr" in out and "0.1 on node 1" in out, out[-3000:]
+    assert not (trees[0] / "models" / "optimized" / "last.pt").exists()
+
+
+def test_a_worker_killed_mid_epoch_restarts_and_the_job_finishes_every_epoch(tmp_path, prepared):
+    params = node_params(nnodes=1, nproc=2, epochs=6, max_restarts=1)
+    tree = checkout(tmp_path / "node0", params, prepared)
+    proc = start(tree, 0, free_port())
+    last = tree / "models" / "optimized" / "last.pt"
+    deadline = time.monotonic() + 300
+    while not last.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, log(tree, 0)[-3000:]
+        time.sleep(0.02)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if any("train.py" in part for part in p.cmdline()) and "LOCAL_RANK" in p.environ()]
+    assert len(workers) == 2
+    workers[1].kill()
+    assert wait_all([proc]) == [0], log(tree, 0)[-3000:]
+    summary = json.loads((tree / "metrics" / "optimized" / "train.json").read_text())
+    assert summary["epochs"] == 6 and [h["epoch"] for h in summary["history"]] == list(range(1, 7))
+    assert summary["resumed_from_epoch"] is not None and summary["resumed_from_epoch"] < 6
