@@ -15,6 +15,7 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import timm
 import torch
@@ -51,15 +52,31 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def hub_address() -> tuple[str, int]:
+    """Host and port huggingface_hub downloads from: `HF_ENDPOINT` (a mirror, a test's fake hub on
+    127.0.0.1) or huggingface.co."""
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or f"https://{HUB_HOST}")
+    return url.hostname or HUB_HOST, url.port or (443 if url.scheme == "https" else 80)
+
+
+_REACHABLE: dict[tuple[str, int], bool] = {}
+"""Answers of `hub_reachable` in this process: the profile builds a model for every trial, and one
+probe per address is enough."""
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """A quick TCP check, so `auto` never waits on a machine with no route to the hub."""
+    """A quick TCP check, so `auto` never waits on a machine with no route to the hub; asked once per
+    process and address."""
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return False
-    try:
-        with socket.create_connection((HUB_HOST, 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    address = hub_address()
+    if address not in _REACHABLE:
+        try:
+            with socket.create_connection(address, timeout=timeout):
+                _REACHABLE[address] = True
+        except OSError:
+            _REACHABLE[address] = False
+    return _REACHABLE[address]
 
 
 @contextlib.contextmanager
@@ -134,7 +151,9 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
         except Exception as exc:  # any hub/network failure: fall through to the remedy below
             attempts.append(f"hub download failed: {exc.__class__.__name__}: {exc}")
     else:
-        attempts.append(f"{HUB_HOST} is not reachable")
+        host, port = hub_address()
+        attempts.append(f"{host}:{port} is not reachable" if os.environ.get("HF_ENDPOINT")
+                        else f"{host} is not reachable")
 
     reason = "; ".join(attempts)
     if cfg.pretrained == "true":
