@@ -1,8 +1,18 @@
-"""Shared fixtures: tiny real data sets written by the tests themselves."""
+"""Shared fixtures: tiny real data sets written by the tests themselves.
+
+The suite never touches the network: the hub is offline for this process and every child it starts
+(set here, before timm or huggingface_hub is imported, so a test file run alone is hermetic too).
+tests/test_hub.py serves its own hub on 127.0.0.1 to test the download path.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["DVC_NO_ANALYTICS"] = "1"
 
 import numpy as np
 import pytest

@@ -80,17 +80,17 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 @contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+def _hub_timeouts(etag_s: int = 10, download_s: int = 30) -> Iterator[None]:
+    """Short hub timeouts for one download. huggingface_hub reads its HF_HUB_* variables once, at
+    import, into `huggingface_hub.constants`, so setting the environment here would change nothing."""
+    from huggingface_hub import constants
+
+    old = constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT
+    constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT = etag_s, download_s
     try:
         yield
     finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT = old
 
 
 def _hub_file(model_name: str) -> tuple[str, str] | None:
@@ -137,14 +137,15 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
     cached = _hub_file(cfg.name)
     if cached:
         repo, path = cached
-        with _env(HF_HUB_OFFLINE="1"):
-            model = timm.create_model(cfg.name, pretrained=True, **kwargs)
+        # Straight from the cached file: huggingface_hub reads HF_HUB_OFFLINE once, at import, so
+        # going through the hub client would still ask the hub for the file's metadata first.
+        model = timm.create_model(cfg.name, pretrained=True, pretrained_cfg_overlay=dict(file=path), **kwargs)
         return model, InitInfo("hub-cache", repo, file_sha256(path))
     attempts.append("no copy in the local Hugging Face cache")
 
     if hub_reachable():
         try:
-            with _env(HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="30"):
+            with _hub_timeouts():
                 model = timm.create_model(cfg.name, pretrained=True, **kwargs)
             found = _hub_file(cfg.name)
             return model, InitInfo("hub", found[0] if found else cfg.name, file_sha256(found[1]) if found else None)
