@@ -46,7 +46,8 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
     summary = classification_summary(logits, labels, meta["classes"])
     n = len(labels)
     # 95% Wilson intervals: where the model's accuracy on new images of this kind may lie.
-    top1_ci, top5_ci = (wilson_interval(topk_correct(logits, labels, k), n) for k in (1, 5))
+    top1_ci = wilson_interval(summary["top1_correct"], n)
+    top5_ci = wilson_interval(topk_correct(logits, labels, 5), n)
     result = {
         "top1": summary["top1"], "top1_ci95_low": top1_ci[0], "top1_ci95_high": top1_ci[1],
         "top5": summary["top5"], "top5_ci95_low": top5_ci[0], "top5_ci95_high": top5_ci[1],
