@@ -1,13 +1,15 @@
 """How sure the comparison is: intervals, McNemar's test and the speed spread, on constructed results."""
 
+import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cnnpipe.evaluate.compare import compare, load_variant, paired_significance, speed_spread, to_markdown
+from cnnpipe.evaluate.compare import paired_significance, speed_spread
 from cnnpipe.evaluate.evaluation import split_warnings
 from cnnpipe.evaluate.stats import mcnemar_exact, median_iqr, ratio_range, wilson_interval
 from conftest import ROOT
@@ -64,7 +66,7 @@ def test_the_speed_ratio_comes_with_a_range_and_an_overlap_note():
     fast, slow = [110.0, 112.0, 115.0, 113.0], [84.0, 86.0, 87.0, 81.0]
     r = ratio_range(fast, slow)
     assert r["low"] < r["ratio"] < r["high"] and not r["overlap"]
-    assert r["ratio"] == pytest.approx(median_iqr(fast)[1] / median_iqr(slow)[1])
+    assert r["ratio"] == pytest.approx(112.5 / 85.0)  # the medians, worked out by hand
     noisy = ratio_range([90.0, 120.0, 100.0, 95.0], [85.0, 110.0, 92.0, 99.0])
     assert noisy["overlap"] and noisy["low"] < 1.0 < noisy["high"]
     spread = speed_spread({"history": [{"throughput_img_s": v} for v in slow]},
@@ -116,15 +118,42 @@ def test_a_tiny_test_set_gets_a_warning_and_no_better_claim(tmp_path):
     assert result["significance"]["p_value"] == pytest.approx(mcnemar_exact(0, 3))
 
 
-def test_the_default_runs_committed_comparison_reads_back(tmp_path):
-    """compare() on the committed metrics: the headline matches the McNemar verdict in the JSON."""
+def _exact_mcnemar(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value, written out here independently of cnnpipe.evaluate.stats."""
+    n, k = b + c, min(b, c)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+
+
+def test_the_committed_comparison_agrees_with_the_committed_predictions():
+    """metrics/compare.json and compare.md, as committed, recomputed from the two predictions.csv files
+    (one row per test image, in the same order) and eval.json: the counts, the test and the headline."""
     metrics = ROOT / "metrics"
-    base, opt = load_variant(metrics, "baseline"), load_variant(metrics, "optimized")
-    result = compare(base, opt)
-    md = to_markdown(result)
-    assert result["significance"]["test_images"] == opt["eval"]["images"]
-    assert f"**{result['significance']['verdict']}**" in md
-    assert "Train throughput per epoch" in md
+    rows = {}
+    for variant in ("baseline", "optimized"):
+        with open(metrics / variant / "predictions.csv", newline="") as fh:
+            rows[variant] = [(r["actual"], r["predicted"]) for r in csv.DictReader(fh)]
+    base, opt = rows["baseline"], rows["optimized"]
+    assert len(base) == len(opt) and [a for a, _ in base] == [a for a, _ in opt]
+    right = {v: [a == p for a, p in rows[v]] for v in rows}
+    counts = {"both_right": sum(b and o for b, o in zip(right["baseline"], right["optimized"])),
+              "only_baseline_right": sum(b and not o for b, o in zip(right["baseline"], right["optimized"])),
+              "only_optimized_right": sum(o and not b for b, o in zip(right["baseline"], right["optimized"])),
+              "both_wrong": sum(not (b or o) for b, o in zip(right["baseline"], right["optimized"]))}
+    committed = json.loads((metrics / "compare.json").read_text())
+    significance = committed["significance"]
+    assert {k: significance[k] for k in counts} == counts and significance["test_images"] == len(base)
+    p_value = _exact_mcnemar(counts["only_baseline_right"], counts["only_optimized_right"])
+    assert significance["p_value"] == pytest.approx(p_value, rel=1e-6, abs=1e-300)
+    better = "optimized" if counts["only_optimized_right"] > counts["only_baseline_right"] else "baseline"
+    verdict = f"{better} is better" if p_value < significance["alpha"] else "no significant difference"
+    assert significance["verdict"] == verdict
+    for variant in rows:
+        top1 = json.loads((metrics / variant / "eval.json").read_text())["top1"]
+        assert top1 == pytest.approx(sum(right[variant]) / len(base))
+    md = (metrics / "compare.md").read_text()
+    assert f"**{verdict}**" in md and "Train throughput per epoch" in md
+    for variant in rows:
+        assert f"{100 * sum(right[variant]) / len(base):.2f}%" in md, variant
 
 
 def test_every_stage_is_set_beside_its_prediction_with_the_training_share():

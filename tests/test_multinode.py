@@ -84,6 +84,16 @@ def wait_all(procs: list[subprocess.Popen], timeout: float = 600) -> list[int]:
     return [p.returncode for p in procs]
 
 
+def wait_for_checkpoint(path: Path, procs: list[subprocess.Popen], tree: Path) -> None:
+    """Until `path` exists (the signal to act on); a hang guard, not a speed check: a job that ends
+    first, or nothing after 5 minutes, fails with the node's log."""
+    give_up = time.monotonic() + 300
+    while not path.exists():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > give_up:
+            pytest.fail(f"no checkpoint at {path}:\n{log(tree, 0)[-3000:]}")
+        time.sleep(0.02)
+
+
 def log(tree: Path, node: int) -> str:
     return (tree / f"node{node}.log").read_text()
 
@@ -102,10 +112,7 @@ def test_killed_on_both_nodes_both_resume_at_the_same_epoch_and_match_an_uninter
     port = free_port()
     procs = [start(tree, k, port) for k, tree in enumerate(nodes)]
     last = nodes[0] / "models" / "optimized" / "last.pt"
-    deadline = time.monotonic() + 300
-    while not last.exists():  # the signal to kill on: the first checkpoint is written
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), log(nodes[0], 0)[-3000:]
-        time.sleep(0.02)
+    wait_for_checkpoint(last, procs, nodes[0])  # the signal to kill on: the first checkpoint is written
     for p in procs:
         kill_tree(p)
     saved = torch.load(last, weights_only=True)["epoch"]
@@ -126,11 +133,11 @@ def test_killed_on_both_nodes_both_resume_at_the_same_epoch_and_match_an_uninter
 def test_nodes_with_different_params_both_stop_within_a_minute_naming_the_key(tmp_path, prepared):
     trees = [checkout(tmp_path / "node0", node_params(), prepared),
              checkout(tmp_path / "node1", node_params(lr=0.1), prepared)]
-    port, began = free_port(), time.monotonic()
-    codes = wait_all([start(tree, k, port) for k, tree in enumerate(trees)], timeout=120)
-    took = time.monotonic() - began
+    port = free_port()
+    # Not a speed check: a guard against the hang this replaces (a collective waiting 30 minutes).
+    # Each of torchrun's restarts fails the same way in seconds; all of them took ~25 s here.
+    codes = wait_all([start(tree, k, port) for k, tree in enumerate(trees)], timeout=60)
     assert all(code != 0 for code in codes)
-    assert took < 60, f"the nodes took {took:.0f} s to give up"
     for k, tree in enumerate(trees):
         out = log(tree, k)
         assert "the nodes disagree on train.lr" in out and "0.1 on node 1" in out, out[-3000:]
@@ -141,11 +148,7 @@ def test_a_worker_killed_mid_epoch_restarts_and_the_job_finishes_every_epoch(tmp
     params = node_params(nnodes=1, nproc=2, epochs=6, max_restarts=1)
     tree = checkout(tmp_path / "node0", params, prepared)
     proc = start(tree, 0, free_port())
-    last = tree / "models" / "optimized" / "last.pt"
-    deadline = time.monotonic() + 300
-    while not last.exists():
-        assert time.monotonic() < deadline and proc.poll() is None, log(tree, 0)[-3000:]
-        time.sleep(0.02)
+    wait_for_checkpoint(tree / "models" / "optimized" / "last.pt", [proc], tree)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
                if any("train.py" in part for part in p.cmdline()) and "LOCAL_RANK" in p.environ()]
     assert len(workers) == 2

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
+from cnnpipe.plan.plan import KEEP_BAND
 from cnnpipe.train.precision import cpu_has_fast_bf16
 from conftest import ROOT, save_image, tiny_params, write_params
 
@@ -33,8 +34,9 @@ def stages_run(output: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, fake_fmnist) -> Path:
-    """A git + DVC copy of the project whose Fashion-MNIST is the synthetic one, in data/raw."""
+def reproduced(tmp_path_factory, fake_fmnist) -> tuple[Path, str]:
+    """A git + DVC copy of the project whose Fashion-MNIST is the synthetic one (DVC-tracked in
+    data/raw), after one `dvc repro`; with that run's output. Tests never change it: each gets a copy."""
     root = tmp_path_factory.mktemp("project")
     for name in PROJECT_FILES:
         src = ROOT / name
@@ -53,11 +55,20 @@ def project(tmp_path_factory, fake_fmnist) -> Path:
     run(["dvc", "add", "-q", "data/raw/fashion-mnist"], root)  # the raw data travels through DVC too
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], root)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], root)
-    return root
+    return root, run(["dvc", "repro"], root)
 
 
-def test_repro_produces_every_output_and_metric(project):
-    out = run(["dvc", "repro"], project)
+@pytest.fixture()
+def project(reproduced, tmp_path) -> Path:
+    """This test's own copy of the reproduced project (git, DVC cache, outputs and all): what one
+    test edits, no other test sees, so the tests pass in any order."""
+    copy = tmp_path / "project"
+    shutil.copytree(reproduced[0], copy, symlinks=True)
+    return copy
+
+
+def test_repro_produces_every_output_and_metric(reproduced):
+    project, out = reproduced
     ran = stages_run(out)
     assert set(ran) == {"machine", "prepare", "profile@baseline", "profile@optimized", "profile_report", "plan",
                         "train@baseline", "train@optimized", "evaluate@baseline", "evaluate@optimized",
@@ -66,7 +77,8 @@ def test_repro_produces_every_output_and_metric(project):
     assert ran.index("plan") < min(ran.index("train@baseline"), ran.index("train@optimized"))
     assert out.index("# Time plan (budget 20 min)") < out.index("Running stage 'train@")
     plan = json.loads((project / "metrics" / "plan" / "plan.json").read_text())
-    assert plan["fraction"] == 1.0 and plan["fits"]  # the tiny run fits 20 minutes
+    assert plan["fraction"] == 1.0  # a tiny run trains in seconds
+    assert plan["fits"] == (plan["predicted_total_s"] <= 20 * 60 * KEEP_BAND[1])
     assert yaml.safe_load((project / "metrics" / "plan" / "budget.yaml").read_text()) == {
         "fraction": 1.0, "images_per_epoch": None, "val_images": None, "parity_images": None}
     assert (project / "metrics" / "profile" / "report.md").exists()
@@ -152,10 +164,8 @@ def test_only_what_a_key_changes_is_stale(project, key, value, stale):
     params = yaml.safe_load(original)
     params["train"][key] = value
     write_params(params_file, params)
-    try:
-        assert _stale(project) == stale
-    finally:
-        params_file.write_text(original)
+    assert _stale(project) == stale
+    params_file.write_text(original)
     assert _stale(project) == set()
 
 
@@ -173,7 +183,6 @@ def test_another_machine_reruns_the_profiles_and_the_plan(project):
         same = same and budget == (project / "metrics" / "plan" / "budget.yaml").read_text()
         assert (f"train@{variant}" in ran) == (not same), (variant, ran)
     assert stages_run(run(["dvc", "repro"], project, env)) == ["machine"]
-    run(["dvc", "repro"], project)  # back to this machine's fingerprint for the tests that follow
 
 
 def test_changing_optimized_params_reruns_only_optimized_stages(project):
@@ -252,10 +261,9 @@ def test_killed_repro_resumes_without_repeating_epochs(project):
     import torch
 
     params = tiny_params(epochs=8)
-    params["model"]["name"] = "resnet18"  # slow enough on the CPU to be killed between epochs
+    params["model"]["name"] = "resnet18"
     params["data"]["stored_size"] = 32
     write_params(project / "params.yaml", params)
-    shutil.rmtree(project / "models" / "optimized", ignore_errors=True)  # no checkpoint of earlier tests
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.Popen(["dvc", "repro", "train@optimized"], cwd=project, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -265,13 +273,14 @@ def test_killed_repro_resumes_without_repeating_epochs(project):
     while time.monotonic() < deadline and proc.poll() is None:
         if last.exists():
             state = torch.load(last, weights_only=True, map_location="cpu")
-            if 2 <= state["epoch"] < 8 and state["history"][0]["epoch"] == 1:
+            # The signal: the first checkpoint of this run (not a time); training goes on meanwhile.
+            if state["epoch"] < 8 and state["history"][0]["epoch"] == 1:
                 os.killpg(proc.pid, signal.SIGKILL)
                 killed_after = state["epoch"]
                 break
         time.sleep(0.05)
     proc.wait(timeout=60)
-    assert killed_after is not None, "training finished before it could be killed"
+    assert killed_after is not None, "no checkpoint seen before training finished"
     out = run(["dvc", "repro", "train@optimized"], project)
     assert "resuming from" in out
     summary = json.loads((project / "metrics" / "optimized" / "train.json").read_text())

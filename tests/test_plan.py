@@ -81,14 +81,18 @@ def test_the_zen3_profile_fits_the_default_budget():
 
 
 def test_hysteresis_keeps_the_previous_choice_near_a_boundary():
-    fresh = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
-    smaller = LADDER[LADDER.index(fresh["fraction"]) + 1]
-    kept = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=20, previous=smaller)
-    total = predict_total(recipes(), smaller, N_TRAIN, N_VAL, N_TEST)[2]
-    if 0.75 * 20 * 60 <= total:
-        assert kept["fraction"] == smaller and "kept" in kept["reason"]
-    # Far outside the band the previous choice is dropped: a budget 5x larger takes the whole split.
-    assert make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, 100, previous=smaller)["fraction"] == 1.0
+    """A budget that fits a larger ladder step, where the previous run's smaller step is predicted at
+    80% of it (inside 75%..110%): the previous choice stays; far below the band it is dropped."""
+    total = {f: predict_total(recipes(), f, N_TRAIN, N_VAL, N_TEST)[2] for f in LADDER}
+    small = next(s for b, s in zip(LADDER, LADDER[1:]) if total[b] <= total[s] / 0.8)
+    budget_minutes = total[small] / 0.8 / 60
+    fresh = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes)
+    assert fresh["fraction"] > small  # without a previous run, the larger step that fits
+    kept = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes, previous=small)
+    assert kept["fraction"] == small and kept["reason"].startswith("kept the previous fraction")
+    tiny = LADDER[-1]
+    assert total[tiny] < 0.75 * budget_minutes * 60  # below the band: a fresh choice
+    assert make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes, previous=tiny)["fraction"] == fresh["fraction"]
 
 
 def test_no_budget_and_hopeless_budgets_are_said_plainly():

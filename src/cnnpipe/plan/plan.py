@@ -42,11 +42,12 @@ PARITY_UNDER_BUDGET = 1000
 DDP_EFFICIENCY = 0.9
 """Throughput per added GPU, or per added node, under DDP: stated, not measured here. The article's
 8-GPU run gave 7.2x (0.9); `bench/scaling.py` measures it on a real cluster."""
-CPU_SHARED_CORES = 0.55
+CPU_SHARED_CORES = 0.85
 """N training processes on one CPU node share the cores the profile's single process used, and
 all-reduce ResNet-50's 100 MB of gradients every step over loopback: the node trains at about this
-times the single process's speed (measured 0.54: 2 processes of 1 thread at 100 img/s vs 1 of 2
-threads at 187, batch 128, 32 px, Intel Xeon with AMX: `python bench/scaling.py --epochs 2`)."""
+times one process's speed at the same per-process batch (measured 0.85: 2 processes of 1 thread at
+170 img/s vs 1 of 2 threads at 200, global batch 128, 32 px, Intel Xeon with AMX:
+`python bench/scaling.py --epochs 2`; a 2-process training then ran at 172 img/s where this predicts 170)."""
 
 
 def world_scaling(device: str, nproc: int, nnodes: int) -> tuple[float, str]:
