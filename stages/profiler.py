@@ -35,8 +35,12 @@ def main() -> int:
     time_box_s = budget * 60 * share if budget is not None and share is not None else None
     info = init_distributed(cfg.train.device)
     set_threads(cfg, info)
-    result = profile_variant(cfg, info, Path(args.data), Path(args.logs) / args.variant, not args.no_trials,
-                             time_box_s)
+    try:
+        result = profile_variant(cfg, info, Path(args.data), Path(args.logs) / args.variant, not args.no_trials,
+                                 time_box_s)
+    except (FileNotFoundError, ValueError) as exc:  # no prepared data, a batch larger than the split
+        print(f"profile[{args.variant}]: {exc}", file=sys.stderr)
+        return 2
     result["stage_time_s"] = process_seconds()  # imports included: what the stage cost the run
     save_profile(result, Path(args.metrics))
     print(summary(result))
