@@ -264,6 +264,7 @@ def test_killed_repro_resumes_without_repeating_epochs(project):
     params["model"]["name"] = "resnet18"
     params["data"]["stored_size"] = 32
     write_params(project / "params.yaml", params)
+    shutil.rmtree(project / "models" / "optimized")  # the reproduced run's finished checkpoint
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.Popen(["dvc", "repro", "train@optimized"], cwd=project, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
