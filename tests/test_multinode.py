@@ -157,3 +157,12 @@ def test_a_worker_killed_mid_epoch_restarts_and_the_job_finishes_every_epoch(tmp
     summary = json.loads((tree / "metrics" / "optimized" / "train.json").read_text())
     assert summary["epochs"] == 6 and [h["epoch"] for h in summary["history"]] == list(range(1, 7))
     assert summary["resumed_from_epoch"] is not None and summary["resumed_from_epoch"] < 6
+
+
+def test_a_node_that_never_joins_fails_node_0_after_the_join_timeout(tmp_path, prepared):
+    tree = checkout(tmp_path / "node0", node_params(join_timeout_s=5), prepared)
+    proc = start(tree, 0, free_port())  # node 1 is never started
+    assert wait_all([proc], timeout=300) != [0]  # a hang guard: torchrun's own default would wait 600 s
+    out = log(tree, 0)
+    assert "RendezvousTimeoutError" in out, out[-3000:]
+    assert "not every node joined" in out and "train.join_timeout_s=5" in out
