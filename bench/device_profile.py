@@ -20,6 +20,7 @@ import torch
 
 from cnnpipe.data import idx
 from cnnpipe.data.prepare import prepare_fashion_mnist
+from cnnpipe.monitor import process_seconds
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.report import write_report
 from cnnpipe.profile.run import profile_variant, save_profile, summary
@@ -47,21 +48,28 @@ def main() -> None:
     parser.add_argument("--train-images", type=int, default=20000)
     parser.add_argument("--variants", nargs="+", default=["baseline", "optimized"])
     parser.add_argument("--out", type=Path, default=Path("bench_out/device_profile"))
+    parser.add_argument("--work", type=Path, default=None, help="data and traces (default: OUT/work, OUT/logs)")
+    parser.add_argument("--time-box", type=float, default=None,
+                        help="each profile's time box in seconds, as profile.budget_share gives it (default: none)")
+    parser.add_argument("--prepare-workers", type=int, default=None)
     args = parser.parse_args()
-    work = args.out / "work"
+    work = args.work or args.out / "work"
     raw = synthetic_idx(work / "raw", args.train_images, max(1000, args.train_images // 10))
     params = load_params(args.params)
     info = DistInfo(device=torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu"))
     prepared = work / "prepared"
     for variant in args.variants:
         cfg = resolve(params, variant)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_size=args.size, stored_size=args.size))
+        data = dataclasses.replace(cfg.data, image_size=args.size, stored_size=args.size,
+                                   prepare_workers=args.prepare_workers or cfg.data.prepare_workers)
+        cfg = dataclasses.replace(cfg, data=data)
         cfg = cfg.with_train(device=args.device)
         if not (prepared / "index.json").exists():
             prepared.mkdir(parents=True, exist_ok=True)
             prepare_fashion_mnist(cfg.data, cfg.seed, prepared, search_dirs=(raw,))
         t0 = time.perf_counter()
-        result = profile_variant(cfg, info, prepared, args.out / "logs" / variant, True)
+        box = None if args.time_box is None else args.time_box + process_seconds()  # as if the stage started now
+        result = profile_variant(cfg, info, prepared, work / "logs" / variant, True, box)
         result["stage_time_s"] = time.perf_counter() - t0
         save_profile(result, args.out)
         print(summary(result), flush=True)

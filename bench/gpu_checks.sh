@@ -1,24 +1,76 @@
 #!/usr/bin/env bash
-# The GPU checks as one script, for a lent CUDA machine: the CUDA-only tests, AMP x channels_last
-# throughput, and the profile of both recipes (GPU busy fraction, Tensor Core share, trials) on
-# synthetic data. Everything it prints is also written under $OUT (default bench_out/gpu).
+# The GPU checks as one script for a lent CUDA machine, in one 10-minute window (limits add to 9.7 min):
+#   1. device  (1 min): does the GPU path work at all? torch sees the GPU, a bf16 matmul and one
+#                       ResNet-50 training step run; printed in the first minute.
+#   2. tests   (2.5 min): tests/test_gpu.py (CUDA only) and tests/test_gpu_ready.py.
+#   3. throughput (1.5 min): ResNet-50 at 224 px, 3 channels, batch 256: fp32/bf16/fp16 x NCHW/channels_last.
+#   4. profile (4 min): both recipes' profile at 224 px on synthetic Fashion-MNIST-shaped data, with a
+#                       90 s time box each: step breakdown, GPU busy share, Tensor Core share, trials.
+#   5. compile (2 min): bf16 + channels_last under torch.compile(mode="reduce-overhead").
+# Only small summaries (.json, .md, .txt) go to the output folder; data and traces stay in $WORK.
 #
-#   OUT=/tmp/gpu bash bench/gpu_checks.sh          # ~5 min on one H200; needs torch with CUDA, timm
+#   OUT=/tmp/gpu bash bench/gpu_checks.sh        # needs torch with CUDA and timm; no network
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out/gpu}
-PY=${PYTHON:-python}
-export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/cnnpipe_gpu_work}
+PY=${PYTHON:-$(command -v python || command -v python3)}
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TIMM_OFFLINE=1   # no network there: never wait on a hub
+mkdir -p "$OUT" "$WORK"
 status=0
-run() {  # run NAME CMD...: tee the output to $OUT/NAME.txt, remember a failure, keep going
-    local name=$1; shift
-    echo "== $name: $*"
-    "$@" 2>&1 | tee "$OUT/$name.txt"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "== $name FAILED"; status=1; }
+step() {  # step NAME SECONDS CMD...: time-limited, output teed to $OUT/NAME.txt; a failure is noted, the rest runs
+    local name=$1 limit=$2; shift 2
+    echo "== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || status=1
 }
-run device bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'"
-run test_gpu "$PY" -m pytest tests/test_gpu.py -ra -p no:cacheprovider
-run throughput "$PY" bench/throughput.py --device cuda --sizes 64 224 --batch 256 --steps 6
-run profile "$PY" bench/device_profile.py --device cuda --size 64 --out "$OUT/profile"
+
+step device 60 "$PY" - <<'EOF'
+import json, os, subprocess, time
+import torch
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "available": torch.cuda.is_available()}
+try:
+    info["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
+except Exception as exc:
+    info["nvidia_smi"] = f"failed: {exc}"
+ok = False
+if info["available"]:
+    from cnnpipe.train.precision import gpu_has_native_bf16, math_mode
+    dev = torch.device("cuda", 0)
+    info.update(name=torch.cuda.get_device_name(0), capability=torch.cuda.get_device_capability(0),
+                native_bf16=gpu_has_native_bf16(dev), fp32_math=math_mode("off", dev))
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    a @ a; torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    info["bf16_matmul_tflops"] = 10 * 2 * 8192**3 / (time.perf_counter() - t0) / 1e12
+    import timm
+    m = timm.create_model("resnet50", num_classes=10).to(dev).to(memory_format=torch.channels_last)
+    x = torch.randn(64, 3, 224, 224, device=dev).contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        m(x).float().mean().backward()
+    torch.cuda.synchronize()
+    ok = True
+info["gpu_path_works"] = ok
+print(json.dumps(info, indent=1))
+print("GPU PATH:", "WORKS" if ok else "DOES NOT WORK")
+json.dump(info, open(os.path.join(os.environ.get("OUT", "."), "device.json"), "w"), indent=1)
+raise SystemExit(0 if ok else 1)
+EOF
+export OUT
+step tests 150 "$PY" -m pytest tests/test_gpu.py tests/test_gpu_ready.py -ra -q -p no:cacheprovider -p no:randomly
+step throughput 90 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5
+step profile 240 "$PY" bench/device_profile.py --device cuda --size 224 --train-images 20000 --time-box 90 \
+    --prepare-workers 8 --work "$WORK" --out "$WORK/profile"
+for f in baseline.json optimized.json; do  # (at most 8 files come back from a lent machine)
+    [ -f "$WORK/profile/$f" ] && cp "$WORK/profile/$f" "$OUT/profile_$f"
+done
+step compile 120 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5 \
+    --compile reduce-overhead
 exit $status

@@ -17,7 +17,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from cnnpipe.train.precision import autocast
+from cnnpipe.train.precision import autocast, use_cudnn_autotuner
 
 
 def step_time(model_name: str, size: int, batch: int, amp: str, channels_last: bool, device: torch.device,
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--compile", default=None, help="also time torch.compile(mode) with the fastest eager setting")
     args = parser.parse_args()
     device = torch.device(args.device)
+    use_cudnn_autotuner(device)  # as training does
     precisions = ["off", "bf16"] + (["fp16"] if device.type == "cuda" else [])
     print(f"{args.model}, batch {args.batch}, {device}, {torch.get_num_threads()} threads, "
           f"median of {args.steps} steps after {args.warmup} warm-up")
@@ -81,7 +82,7 @@ def main() -> None:
                 print(f"{size:>5} {('fp32' if amp == 'off' else amp):>9} {layout:>13} {rate:>8.0f} "
                       f"{rate / reference:>12.2f}x", flush=True)
         if args.compile:
-            amp = "bf16" if device.type == "cpu" else precisions[-1]
+            amp = "bf16"
             start = time.perf_counter()
             t = step_time(args.model, size, args.batch, amp, True, device, args.steps, args.warmup,
                           args.in_chans, args.compile)

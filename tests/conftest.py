@@ -55,7 +55,9 @@ def tiny_params(**train_overrides) -> dict:
     params = base_params()
     params["data"].update(image_size=28, stored_size=28, max_train_images=None, max_eval_images=None)
     params["model"].update(name="test_resnet", pretrained="false")
-    params["train"].update({"epochs": 2, "batch_size": 32, "lr": 0.2, "threads": 1, **train_overrides})
+    # checkpoint_every 1: resume tests need last.pt after every epoch (`auto` skips some of a tiny run's)
+    params["train"].update({"epochs": 2, "batch_size": 32, "lr": 0.2, "threads": 1, "checkpoint_every": 1,
+                            **train_overrides})
     params["profile"].update(wait=0, warmup=1, active=2, trial_steps=1, trial_rounds=2)
     params["variants"]["baseline"]["train"]["batch_size"] = 32
     return params

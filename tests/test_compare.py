@@ -24,6 +24,16 @@ def test_wilson_interval_matches_the_textbook_values():
     assert narrow[1] - narrow[0] < 0.02 < 0.3 < wide[1] - wide[0]
 
 
+def test_mcnemar_stays_exact_and_fast_at_a_million_test_images():
+    """A catalog's test split: the integer binomial sum took hours at this size (the suite's timeout
+    would end it); the same exact tail comes from scipy at once."""
+    import math
+
+    exact = 2 * sum(math.comb(2000, i) for i in range(961)) / 2**2000
+    assert mcnemar_exact(960, 1040) == pytest.approx(exact, rel=1e-9)
+    assert 0.0 < mcnemar_exact(499_000, 501_000) < 0.1
+
+
 def test_mcnemar_exact_p_values():
     assert mcnemar_exact(0, 0) == 1.0
     assert mcnemar_exact(5, 5) == 1.0

@@ -180,6 +180,21 @@ def test_predefined_splits_are_kept_and_leakage_reported(tmp_path):
     assert len(report["leakage"]) == 1 and report["leakage"][0]["splits"] == ["test", "train"]
 
 
+def test_a_split_folder_of_images_without_class_folders_fails_at_once(tmp_path):
+    """ImageNet's val/ layout: read as an empty split it trained with val top-1 0 every epoch."""
+    root = tmp_path / "tree"
+    for i in range(4):
+        save_image(root / "train" / ("a" if i % 2 else "b") / f"{i}.png", colour_image(i))
+        save_image(root / "val" / f"ILSVRC_val_{i}.JPEG", colour_image(10 + i))
+    cfg = DataConfig(source=str(root), stored_size=16, image_size=16)
+    with pytest.raises(DataError) as err:
+        prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    message = str(err.value)
+    assert str(root / "val") in message and "4 image file(s) but no class folders" in message
+    assert "subfolder named after its class" in message
+    assert not (tmp_path / "p").exists()  # nothing half-written
+
+
 def test_image_folder_prepare_is_deterministic(tmp_path):
     root = tmp_path / "photos"
     make_varied_tree(root)

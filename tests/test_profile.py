@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from cnnpipe.data.loaders import ShardSampler, TrainLoader
 from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.params import load_params, resolve
+from cnnpipe.profile.clock import OUT_OF_TIME, TrialClock
 from cnnpipe.profile.decision import confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, diagnose
 from cnnpipe.profile.measure import build_setup, fractions, timed_steps, trace_window
@@ -218,7 +219,8 @@ def test_a_single_winner_is_measured_again_before_it_is_kept(monkeypatch, tmp_pa
         assert kept["loader"] == current.train.loader and "default kept" in confirm.note
         assert tuned_speedup(current, kept, trials, confirm) == 1.0
     measured.clear()  # past the time box the one measured win stands, with nothing timed
-    assert confirm_winners(requested, current, DistInfo(), tmp_path, None, trials, tuned, 0.0) == (tuned, None)
+    spent = TrialClock(0.0, trial_s=1.0)
+    assert confirm_winners(requested, current, DistInfo(), tmp_path, None, trials, tuned, spent) == (tuned, None)
     assert measured == []
 
 
@@ -424,35 +426,11 @@ def test_candidates_the_hardware_rules_out_are_not_timed_unless_asked(monkeypatc
     assert trials_mod.ruled_out({"amp": "bf16"}, torch.device("cpu")) == ""
 
 
-def test_the_trial_deadline_is_the_budget_box_or_a_fifth_of_the_training(tmp_path):
-    """No trial starts after the budget's box, nor after a fifth of the whole-split training."""
-    from cnnpipe.profile.trials import SHARE_OF_TRAINING, smaller_batches, trial_deadline
+def test_smaller_batches_are_those_min_steps_may_pick(tmp_path):
+    from cnnpipe.profile.trials import smaller_batches
 
-    assert trial_deadline(None, 5.0) is None  # no budget: every trial, as asked
-    assert trial_deadline(90.0, 3000.0) == 90.0  # the budget's share binds
-    assert trial_deadline(90.0, 100.0) == pytest.approx(SHARE_OF_TRAINING * 100.0)  # training of seconds
     assert smaller_batches(config(tmp_path, batch_size=256, min_steps=300)) == [128, 64]
     assert smaller_batches(config(tmp_path, batch_size=256, min_steps=None)) == []
-
-
-def test_a_run_that_trains_for_seconds_gets_a_profile_without_trials(monkeypatch, tmp_path, prepared):
-    """Within a budget a profile takes at most a fifth of the training it informs: two epochs of the
-    tiny split train in seconds, so no trial starts, with the budget's minutes to spare; the same
-    steps in a training of days are measured."""
-    import cnnpipe.profile.trials as trials_mod
-
-    # A fake clock between the two deadlines: past a fifth of the tiny split's training (seconds on any
-    # machine whose step takes under 7 s), short of the budget's 600 s box.
-    monkeypatch.setattr(trials_mod, "process_seconds", lambda: 500.0)
-    cfg = config(tmp_path)
-    result = profile_variant(cfg, DistInfo(), prepared, tmp_path / "logs" / "short", True, time_box_s=600.0)
-    assert result["trials_start_by_s"] == pytest.approx(trials_mod.SHARE_OF_TRAINING * result["training_estimate_s"])
-    assert result["trials_start_by_s"] < 500
-    assert result["trials"] and all(t["note"] == trials_mod.OUT_OF_TIME for t in result["trials"])
-    assert result["throughput_img_s"] > 0 and result["inference_img_s"] > 0  # what the plan needs stays
-    long_run = config(tmp_path, epochs=100_000)  # the same steps, a training of days: the box binds
-    result = profile_variant(long_run, DistInfo(), prepared, tmp_path / "logs" / "long", True, time_box_s=600.0)
-    assert result["trials_start_by_s"] > 0 and any(t["speedup"] for t in result["trials"])
 
 
 def test_a_spent_time_box_notes_the_remaining_trials_instead_of_timing_them(monkeypatch, tmp_path):
@@ -465,14 +443,15 @@ def test_a_spent_time_box_notes_the_remaining_trials_instead_of_timing_them(monk
     monkeypatch.setattr(trials_mod, "paired_trial",
                         lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
     cfg = config(tmp_path)
-    results = trials_mod.run_trials(cfg, cfg, DistInfo(), tmp_path, None, set(), time_box_s=0.0)
-    assert timed == [] and results and all(r.note == trials_mod.OUT_OF_TIME for r in results)
+    spent = TrialClock(0.0, trial_s=1.0)
+    results = trials_mod.run_trials(cfg, cfg, DistInfo(), tmp_path, None, set(), spent)
+    assert timed == [] and results and all(r.note == OUT_OF_TIME for r in results)
     assert results[-1].knob == "batch_size" and not any(r.win for r in results)
     wins = [Trial("amp", {"amp": "off"}, 1.2, win=True), Trial("loader", {"loader": "baseline"}, 1.1, win=True)]
     requested = config(tmp_path, amp="auto", loader="auto")
     current = resolve_auto(requested, torch.device("cpu"))
     kept, combined = confirm_winners(requested, current, DistInfo(), tmp_path, None, wins,
-                                      tuned_settings(requested, current, wins), time_box_s=0.0)
+                                      tuned_settings(requested, current, wins), spent)
     assert kept["amp"] == "off" and kept["loader"] == current.train.loader
     assert combined.note.startswith("not measured") and "kept only amp=off" in combined.note
 

@@ -149,8 +149,10 @@ class TrainConfig:
     """How long node 0 waits for every node to join before failing with a clear error."""
     threads: int | None = None
     """torch intra-op threads per process; null = cores / processes."""
-    checkpoint_every: int = 1
-    """Write models/<variant>/last.pt every N epochs (and always at the end)."""
+    checkpoint_every: int | str = "auto"
+    """Write models/<variant>/last.pt every N epochs (and always at the end); `auto`: after any epoch
+    once checkpoints would take under 5% of the training time (every epoch on a CPU; every few on a
+    GPU whose epochs take seconds)."""
     images_per_epoch: int | None = None
     """Training images drawn (a fresh random subset) per epoch; null = the whole training split.
     The time budget (`run.budget_minutes`) may lower it; the LR schedule follows the real steps."""
@@ -163,7 +165,10 @@ class TrainConfig:
     `batch_size` whatever the run's length."""
 
     def __post_init__(self) -> None:
-        ints = {"epochs": 1, "batch_size": 1, "nproc": 1, "checkpoint_every": 1, "accum_steps": 1}
+        ints = {"epochs": 1, "batch_size": 1, "nproc": 1, "accum_steps": 1}
+        if self.checkpoint_every != "auto" and (not isinstance(self.checkpoint_every, int)
+                                                or self.checkpoint_every < 1):
+            reject("train.checkpoint_every", self.checkpoint_every, "`auto` or an integer >= 1")
         for key, low in ints.items():
             if getattr(self, key) < low:
                 reject(f"train.{key}", getattr(self, key), f"an integer >= {low}")

@@ -13,6 +13,7 @@ data wait, copy and augmentation separately. Evaluation uses `eval_transform` fo
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 from dataclasses import dataclass
@@ -98,10 +99,18 @@ class _UInt8Batches(Dataset):
         return images, labels
 
 
+@functools.lru_cache(maxsize=32)
+def mean_std_on(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The (1, C, 1, 1) mean and std in [0, 255] units on `device`, built once per device: building
+    them per batch is two blocking host-to-device copies every step on a GPU."""
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    return m.to(device), s.to(device)
+
+
 def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """uint8/float NCHW in [0, 255] → float normalised by the model's mean/std."""
-    m = torch.tensor(mean, device=x.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
-    s = torch.tensor(std, device=x.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    m, s = mean_std_on(tuple(mean), tuple(std), x.device)
     return (x.float() - m) / s
 
 

@@ -106,6 +106,7 @@ def scan_tree(root: Path) -> tuple[dict[str, dict[str, list[Path]]], list[Path],
     tree: dict[str, dict[str, list[Path]]] = {}
     ignored: list[Path] = []
     for split, directory in groups.items():
+        _refuse_flat_folder(directory)
         tree[split] = {}
         for class_dir in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
             files, skipped = _class_files(class_dir)
@@ -113,6 +114,19 @@ def scan_tree(root: Path) -> tuple[dict[str, dict[str, list[Path]]], list[Path],
             ignored += skipped
         ignored += [p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")]
     return tree, sorted(ignored), predefined
+
+
+def _refuse_flat_folder(directory: Path) -> None:
+    """A folder of images with no class folders (ImageNet's val/, most catalog exports) would be
+    read as an empty split: validation top-1 0 every epoch, best.pt stuck at the first epoch."""
+    entries = [p for p in directory.iterdir() if not p.name.startswith(".")]
+    if any(p.is_dir() for p in entries):
+        return
+    images = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS]
+    if images:
+        raise DataError(f"data.source: {directory} holds {len(images)} image file(s) but no class folders, so "
+                        f"their labels are unknown. Move each image into a subfolder named after its class "
+                        f"({directory}/<class>/{images[0].name}), or leave this folder out of data.source")
 
 
 def _assign_splits(tree: dict[str, dict[str, list[Path]]], predefined: bool, classes: list[str],

@@ -22,7 +22,7 @@ Everything here is pure: numbers in, numbers out. `budget.py` applies the choice
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Sequence
 
@@ -31,9 +31,14 @@ from cnnpipe.train.schedule import batch_for_steps
 
 LADDER = (1.0, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 3 / 16, 1 / 8, 3 / 32, 1 / 16, 1 / 32, 1 / 64)
 KEEP_BAND = (0.75, 1.10)
-STARTUP_S = 7.0  # a stage's process start: Python, torch and timm imports, data and model (measured 7-8 s)
-EXPORT_S = 8.0  # tracing, the torch.export-based ONNX export of ResNet-50 and the ONNX Runtime session
-FP32_EXPORT_SLOWDOWN = 1.3  # export parity runs in fp32: slower than a recipe trained under autocast
+STARTUP_S = 7.0
+"""A stage's process start (imports, data and model; measured 7-8 s on a 2-core VM), for profiles
+that predate measuring their own (`Recipe.startup_s`)."""
+EXPORT_S = 8.0
+"""Tracing, the torch.export-based ONNX export of ResNet-50 and the ONNX Runtime session: CPU work on
+any machine, measured on a 2-core VM (a bigger host only finishes sooner)."""
+FP32_EXPORT_SLOWDOWN = 1.3
+"""For profiles without `export_img_s`: export parity runs in fp32, slower than autocast inference."""
 VAL_UNDER_BUDGET = 1000
 """Validation images per epoch when the budget binds: top-1 to about +-1.5 points, enough to pick the
 best epoch, for a sixth of the cost of Fashion-MNIST's 6,000."""
@@ -93,12 +98,19 @@ class Recipe:
     scale: float = 1.0
     """Training speed of the whole job over the profiled single process (`world_scaling`)."""
     scaling: str = "one process"
+    train_images: int | None = None
+    """The training split's size: a run whose epochs draw all of it keeps its batch (`batch_for_steps`)."""
+    startup_s: float = 0.0
+    """A stage's start-up on this machine (imports, data, model), as the profile measured its own;
+    0: not measured (older profiles), `STARTUP_S` applies."""
+    export_img_s: float | None = None
+    """fp32 images/s on the CPU, where export checks its files (profile); None: older profiles."""
 
     def batch_for(self, images_per_epoch: int) -> int:
         """The per-process batch training will use when each epoch draws `images_per_epoch` images."""
         batch = self.global_batch if self.batch_size is None else self.batch_size
         return batch_for_steps(batch, self.min_steps, images_per_epoch, self.epochs, self.world_size,
-                               self.accum_steps)
+                               self.accum_steps, self.train_images)
 
     def train_speed(self, images_per_epoch: int) -> float:
         """Training images/s at the batch that run will use."""
@@ -130,7 +142,8 @@ def recipe_from_profile(cfg: VariantConfig, profile: dict[str, Any]) -> Recipe:
     scale, scaling = world_scaling(profile.get("device", "cpu"), t.nproc, t.nnodes)
     return Recipe(cfg.variant, t.epochs, t.batch_size * world * t.accum_steps, train_img_s, eval_img_s,
                   float(profile.get("stage_time_s", 0.0)), t.batch_size, world, t.accum_steps, t.min_steps, smaller,
-                  t.val_images, amp, scale, scaling)
+                  t.val_images, amp, scale, scaling, startup_s=float(profile.get("startup_s") or 0.0),
+                  export_img_s=profile.get("export_img_s"))
 
 
 def checked_images(fraction: float, n_val: int, n_test: int, val_images: int | None) -> tuple[int, int]:
@@ -146,12 +159,16 @@ def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int, n_p
     """Predicted wall time of train, evaluate and export for one recipe (`n_val`: validation images
     per epoch; `n_parity`: test images the export check covers)."""
     # Validation is sharded over the ranks like training; evaluate and export run as one process.
+    startup = r.startup_s or STARTUP_S
     val_s = n_val / (r.eval_img_s * r.scale)
-    train = r.epochs * (images_per_epoch / r.train_speed(images_per_epoch) + val_s) + STARTUP_S
+    train = r.epochs * (images_per_epoch / r.train_speed(images_per_epoch) + val_s) + startup
     bench = 6 * 256 / r.eval_img_s  # evaluate's model-only throughput measurement
-    evaluate = n_test / r.eval_img_s + bench + STARTUP_S
-    fp32 = 1.0 if r.amp == "off" else FP32_EXPORT_SLOWDOWN
-    export = 3 * fp32 * n_parity / r.eval_img_s + EXPORT_S + STARTUP_S  # PyTorch, TorchScript, ONNX Runtime
+    evaluate = n_test / r.eval_img_s + bench + startup
+    if r.export_img_s:  # measured: fp32 on the CPU, where export runs whatever trained the model
+        parity_img_s = r.export_img_s
+    else:
+        parity_img_s = r.eval_img_s / (1.0 if r.amp == "off" else FP32_EXPORT_SLOWDOWN)
+    export = 3 * n_parity / parity_img_s + EXPORT_S + startup  # PyTorch, TorchScript, ONNX Runtime
     return {f"train@{r.variant}": train, f"evaluate@{r.variant}": evaluate, f"export@{r.variant}": export}
 
 
@@ -171,7 +188,7 @@ def predict_total(recipes: Sequence[Recipe], fraction: float, full: int, n_val: 
     for r in recipes:
         val, parity = checked_images(fraction, n_val, n_test, r.val_images)
         stages.update(stage_seconds(r, images, val, n_test, parity))
-    stages["compare"] = STARTUP_S / 2
+    stages["compare"] = (recipes[0].startup_s or STARTUP_S) / 2
     spent = sum(r.profile_s for r in recipes)
     return images, stages, spent + sum(stages.values())
 
@@ -204,6 +221,7 @@ def _frac(f: float) -> str:
 def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, budget_minutes: float | None,
               requested_images: int | None = None, previous: float | None = None) -> dict[str, Any]:
     """The plan: per-stage predictions, the chosen images per epoch, and the reasons."""
+    recipes = [replace(r, train_images=n_train) for r in recipes]
     full = n_train if requested_images is None else min(n_train, requested_images)
     budget_s = None if budget_minutes is None else budget_minutes * 60.0
     fraction, reason = choose_fraction(recipes, full, n_val, n_test, budget_s, previous)

@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from cnnpipe.config import VariantConfig
+from cnnpipe.profile.clock import OUT_OF_TIME, TrialClock
 from cnnpipe.profile.measure import Setup, build_setup
-from cnnpipe.profile.trials import OUT_OF_TIME, Trial, out_of_time, paired_trial
+from cnnpipe.profile.trials import Trial, paired_trial
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.tuning import auto_knobs
 
@@ -29,37 +30,39 @@ def changed_knobs(current: VariantConfig, tuned: dict[str, Any]) -> dict[str, An
 
 def confirm_winners(requested: VariantConfig, current: VariantConfig, info: DistInfo, prepared_dir: Path,
                     base: Setup, results: list[Trial], tuned: dict[str, Any],
-                    time_box_s: float | None = None) -> tuple[dict[str, Any], Trial | None]:
+                    clock: TrialClock | None = None) -> tuple[dict[str, Any], Trial | None]:
     """Every change the trials would ship is measured once more, in a trial of its own, before it is
     kept: one winning knob by `confirm_single`, several by `confirm_mix`. Returns the values to keep
     and that second trial (None when nothing changed, or a single win past the time box)."""
     changed = changed_knobs(current, tuned)
+    clock = clock or TrialClock(None, current.profile.trial_steps)
     if not changed:
         return tuned, None
     if len(changed) == 1:
-        return confirm_single(current, info, prepared_dir, base, tuned, changed, time_box_s)
-    return confirm_mix(current, info, prepared_dir, base, results, tuned, changed, time_box_s)
+        return confirm_single(current, info, prepared_dir, base, tuned, changed, clock)
+    return confirm_mix(current, info, prepared_dir, base, results, tuned, changed, clock)
 
 
 def _second_trial(name: str, changed: dict[str, Any], current: VariantConfig, info: DistInfo,
-                  prepared_dir: Path, base: Setup) -> Trial:
+                  prepared_dir: Path, base: Setup, clock: TrialClock) -> Trial:
     p = current.profile
-    candidate = build_setup(current.with_train(**changed), info, prepared_dir)
-    return paired_trial(name, changed, base, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+    with clock.timing():
+        candidate = build_setup(current.with_train(**changed), info, prepared_dir)
+        return paired_trial(name, changed, base, candidate, p.trial_rounds, clock.block, p.min_gain)
 
 
 def confirm_single(current: VariantConfig, info: DistInfo, prepared_dir: Path, base: Setup,
                    tuned: dict[str, Any], changed: dict[str, Any],
-                   time_box_s: float | None) -> tuple[dict[str, Any], Trial | None]:
+                   clock: TrialClock) -> tuple[dict[str, Any], Trial | None]:
     """One winning knob (trial "confirm") is dropped unless a second trial wins too.
 
     Why: a few rounds of short blocks on a drifting VM can crown a knob that trains slower (the PIL
     loader beat the batched one 1.08x in every round once, then trained with 6% data wait). Past the
     time box the one measured win stands, with nothing more timed.
     """
-    if out_of_time(time_box_s):
+    if clock.out_of_time():
         return tuned, None
-    trial = _second_trial("confirm", changed, current, info, prepared_dir, base)
+    trial = _second_trial("confirm", changed, current, info, prepared_dir, base, clock)
     if trial.win:
         return tuned, trial
     trial.note = "the second trial did not win: default kept"
@@ -68,13 +71,13 @@ def confirm_single(current: VariantConfig, info: DistInfo, prepared_dir: Path, b
 
 def confirm_mix(current: VariantConfig, info: DistInfo, prepared_dir: Path, base: Setup, results: list[Trial],
                 tuned: dict[str, Any], changed: dict[str, Any],
-                time_box_s: float | None) -> tuple[dict[str, Any], Trial]:
+                clock: TrialClock) -> tuple[dict[str, Any], Trial]:
     """Knobs that each won alone are measured together (trial "combined"); when the mix does not win,
     or the time box leaves no room to measure it, only the best single change is kept."""
-    if out_of_time(time_box_s):
+    if clock.out_of_time():
         trial = Trial("combined", changed, note=OUT_OF_TIME)
     else:
-        trial = _second_trial("combined", changed, current, info, prepared_dir, base)
+        trial = _second_trial("combined", changed, current, info, prepared_dir, base, clock)
         if trial.win:
             return tuned, trial
         trial.note = "the mix did not win"

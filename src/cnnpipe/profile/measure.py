@@ -1,7 +1,9 @@
 """Timing a training setup: region timers, timed steps, and the torch.profiler trace.
 
-Figures come from an un-profiled timed run (region timers only, synchronised on CUDA) so that the
-profiler's own overhead stays out of them; the `torch.profiler` window exists to produce the trace
+Figures come from an un-profiled timed run (region timers only) so that the profiler's own
+overhead stays out of them. On CUDA the regions and step boundaries are events on the stream, read
+after one wait at the end: a wait per region would serialise host and GPU, slowing the very step
+being measured and overstating the data wait; the `torch.profiler` window exists to produce the trace
 for TensorBoard/Perfetto (and to count host syncs). Every step here is the engine's own
 `micro_step`, so what is measured is what trains.
 """
@@ -9,6 +11,7 @@ for TensorBoard/Perfetto (and to count host syncs). Every step here is the engin
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import resource
 import statistics
@@ -27,7 +30,7 @@ from cnnpipe.data.store import open_split
 from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
 from cnnpipe.train.distributed import DistInfo, unwrap
-from cnnpipe.train.engine import StepContext, forward_times, micro_step, no_region, sync_device
+from cnnpipe.train.engine import Spans, StepContext, forward_times, micro_step, no_region, sync_device
 from cnnpipe.train.trainer import build_training, step_context
 from cnnpipe.train.tuning import resolve_auto
 
@@ -42,32 +45,40 @@ SYNC_EVENTS = {
 
 
 class RegionTimer:
-    """Accumulates wall time per named region; each region is also a profiler label."""
+    """Time per named region (`Spans`: on CUDA, events on the stream, so nothing waits: the GPU time
+    a region queued lands in it, and a data wait counts only where the GPU ran dry waiting for the
+    batch); each region is also a profiler label."""
 
-    def __init__(self, device: torch.device, sync: bool = True) -> None:
+    def __init__(self, device: torch.device, timed: bool = True) -> None:
         self.device = device
-        self.sync = sync  # False: labels only (the trace), so the device keeps its real overlap
-        self.totals: dict[str, float] = {r: 0.0 for r in REGIONS}
+        self.timed = timed  # False: labels only (the trace)
         self.enabled = True
+        self._spans = {r: Spans(device) for r in REGIONS}
+        self._totals: dict[str, float] = {r: 0.0 for r in REGIONS}
 
     @contextlib.contextmanager
     def region(self, name: str) -> Iterator[None]:
         with record_function(name):
-            if self.sync:
-                sync_device(self.device)  # attribute GPU work to the region that queued it
-            t0 = time.perf_counter()
-            yield
-            if self.sync:
-                sync_device(self.device)
-            if self.enabled:
-                self.totals[name] += time.perf_counter() - t0
+            if self.timed and self.enabled:
+                with self._spans[name].span():
+                    yield
+            else:
+                yield
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Seconds per region so far."""
+        for name, spans in self._spans.items():
+            self._totals[name] += sum(spans.durations())
+        return self._totals
 
 
 def memory_frac(device: torch.device) -> float | None:
-    """Peak allocated memory as a fraction of the GPU's; None on the CPU."""
+    """Peak reserved memory (what the caching allocator holds, and what runs out first) as a fraction
+    of the GPU's, since the last `reset_peak_memory_stats`; None on the CPU."""
     if device.type != "cuda":
         return None
-    return torch.cuda.max_memory_allocated(device) / torch.cuda.get_device_properties(device).total_memory
+    return torch.cuda.max_memory_reserved(device) / torch.cuda.get_device_properties(device).total_memory
 
 
 @dataclass
@@ -128,12 +139,13 @@ def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[st
     for _ in range(warmup):
         train_step(s, timer)
     timer.enabled = True
-    times = []
+    sync_device(s.device)
     cpu0, wall0 = _cpu_seconds(), time.perf_counter()
+    spans = Spans(s.device)
     for _ in range(steps):
-        t0 = time.perf_counter()
-        train_step(s, timer)
-        times.append(time.perf_counter() - t0)
+        with spans.span():
+            train_step(s, timer)
+    times = spans.durations()  # (waits for the device on CUDA)
     cpu_util = (_cpu_seconds() - cpu0) / (time.perf_counter() - wall0) / max(1, torch.get_num_threads())
     return times, timer.totals, cpu_util
 
@@ -144,6 +156,15 @@ def inference_times(s: Setup, calls: int = 3) -> list[float]:
     the plan. Measured, because a training step's forward share overstates it by up to 2x."""
     return forward_times(unwrap(s.ctx.model), s.in_chans, s.cfg.data.image_size, s.cfg.train.channels_last,
                          s.ctx.amp, s.device, batch=INFERENCE_BATCH, calls=calls)
+
+
+def cpu_fp32_inference(s: Setup, calls: int = 2) -> float:
+    """Images/s of this setup's model in fp32 on the CPU, contiguous layout, at the eval batch: where
+    and how export checks its files (ONNX Runtime runs on the CPU), whatever the training device."""
+    model = copy.deepcopy(unwrap(s.ctx.model)).float().cpu().to(memory_format=torch.contiguous_format)
+    times = forward_times(model, s.in_chans, s.cfg.data.image_size, False, "off", torch.device("cpu"),
+                          batch=INFERENCE_BATCH, calls=calls)
+    return INFERENCE_BATCH / statistics.median(times)
 
 
 def _cpu_seconds() -> float:
@@ -168,7 +189,7 @@ def trace_window(s: Setup, trace_dir: Path, worker: str) -> dict[str, float | No
         # probe) and trace markers on every start; on a CPU-only trace nothing it logs is ours to act on.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     p = s.cfg.profile
-    timer = RegionTimer(s.device, sync=False)  # the trace shows the real overlap; syncs would be counted
+    timer = RegionTimer(s.device, timed=False)  # labels only: events would show up in the trace
     with profile(activities=activities, schedule=schedule(wait=p.wait, warmup=p.warmup, active=p.active, repeat=1),
                  on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=worker),
                  record_shapes=True, profile_memory=True) as prof:

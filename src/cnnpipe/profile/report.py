@@ -112,9 +112,10 @@ def _stage_time(p: dict[str, Any]) -> str:
     box = ""
     if p.get("time_box_s"):
         box = f" (time box: {p['time_box_s']:.0f} s"
-        if p.get("trials_start_by_s") is not None:  # profiles before the training cap lack it
+        if p.get("trial_window_s") is not None:
             box += (f"; whole-split training predicted at {p['training_estimate_s']:.0f} s; "
-                    f"no trial starts after {p['trials_start_by_s']:.0f} s")
+                    f"trials had {p['trial_window_s']:.0f} s after the first measurement, "
+                    f"in blocks of {p.get('trial_block_steps', 2)} steps")
         box += ")"
     return f" The stage took {p['stage_time_s']:.0f} s{box}."
 

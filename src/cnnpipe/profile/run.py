@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,15 @@ import yaml
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.files import write_json, write_text
-from cnnpipe.monitor import peak_mem_mb
+from cnnpipe.monitor import peak_mem_mb, process_seconds, reset_peak_memory
+from cnnpipe.profile.clock import TrialClock, block_steps, trial_window
 from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose
 from cnnpipe.profile.format import all_trials
 from cnnpipe.profile.measure import (
     INFERENCE_BATCH,
     build_setup,
+    cpu_fp32_inference,
     fractions,
     inference_times,
     iqr,
@@ -30,15 +33,9 @@ from cnnpipe.profile.measure import (
     timed_steps,
     trace_window,
 )
-from cnnpipe.profile.trials import (
-    Trial,
-    out_of_time,
-    recommended_together,
-    run_trials,
-    smaller_batch_trials,
-    trial_deadline,
-)
+from cnnpipe.profile.trials import Trial, recommended_together, run_trials, smaller_batch_trials, smaller_batches
 from cnnpipe.train.distributed import DistInfo
+from cnnpipe.train.precision import math_mode
 from cnnpipe.train.tuning import auto_knobs, resolve_auto
 
 
@@ -57,20 +54,32 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
                     with_trials: bool, time_box_s: float | None = None) -> dict[str, Any]:
     """Everything metrics/profile/<variant>.json holds (`tuned`: values for the `auto` knobs).
 
-    No trial starts after `time_box_s` (seconds since the process started; None: no budget), nor after
-    a fifth of the whole-split training it informs (`trials.trial_deadline`); those are noted, not
-    timed. The smaller batches' speeds are always measured, since the plan predicts with them.
+    `time_box_s` is the stage's share of the budget (seconds since the process started; None: no
+    budget). The trials get the window `clock.trial_window` gives, counted from the end of the base
+    measurement, with the smaller batches' speeds and the inference timing (which the plan needs,
+    and which always run) set aside; a trial that no longer fits is noted, not timed.
     """
     cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
     p, t = cfg.profile, cfg.train
+    reset_peak_memory(info.device)
+    t0 = time.perf_counter()
     base = build_setup(cfg, info, prepared_dir)
+    setup_s = time.perf_counter() - t0
+    startup_s = process_seconds()  # imports, data and model: what each later stage pays before its first step
     times, totals, cpu_util = timed_steps(base, warmup=1, steps=max(p.active, p.trial_steps * p.trial_rounds))
     step_s = statistics.median(times)
     traced = trace_window(base, trace_dir, worker=f"{cfg.variant}_rank{info.rank}")
+    peak_mb, mem_frac = peak_mem_mb(info.device), memory_frac(info.device)  # the recipe's own, before any trial
+    t0 = time.perf_counter()
     inference_s = inference_times(base)  # timed again at the end: the VM's speed drifts within minutes
+    export_img_s = cpu_fp32_inference(base)
+    tail_s = time.perf_counter() - t0
     training_s = t.epochs * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
-    start_by_s = trial_deadline(time_box_s, training_s)
-    mem_frac = memory_frac(info.device)
+    block = block_steps(step_s, p.trial_steps)
+    trial_s = setup_s + 2 * p.trial_rounds * (block + 1) * step_s  # a full trial at the base's speed
+    must_follow = len(smaller_batches(cfg)) * trial_s + tail_s if with_trials else 0.0
+    box_left = None if time_box_s is None else time_box_s - process_seconds() - must_follow
+    clock = TrialClock(trial_window(box_left, training_s), block, trial_s)
     facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=t.batch_size,
                   utilization=cpu_util if info.device.type == "cpu" else traced["gpu_busy_frac"],
@@ -80,36 +89,39 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     tuned = {k: getattr(t, k) for k in auto_knobs(requested)}
     combined, smaller, gain = None, [], 1.0
     if with_trials:
-        recommended = {r.knob for r in diagnose(facts)[1] if r.knob}
-        results = run_trials(cfg, requested, info, prepared_dir, base, recommended, start_by_s)
+        recommended = [r.knob for r in diagnose(facts)[1] if r.knob]  # bottleneck first
+        results = run_trials(cfg, requested, info, prepared_dir, base, recommended, clock)
         best = best_batch(results)
         facts = dataclasses.replace(facts, batch_gain=best.speedup if best else None,
                                     best_batch=best.change["batch_size"] if best else None)
         tuned, combined = confirm_winners(requested, cfg, info, prepared_dir, base, results,
-                                           tuned_settings(requested, cfg, results), start_by_s)
+                                           tuned_settings(requested, cfg, results), clock)
         gain = tuned_speedup(cfg, tuned, results, combined)
-        smaller = smaller_batch_trials(requested, cfg, info, prepared_dir, base, tuned, gain, start_by_s)
+        smaller = smaller_batch_trials(requested, cfg, info, prepared_dir, base, tuned, gain, clock)
     at_batch = {e["change"]["batch_size"]: e["at_batch"] for e in smaller if e["at_batch"]}
     label, recs = diagnose(facts)
-    if with_trials and combined is None and not out_of_time(start_by_s):  # (`gain` cannot be this mix's)
+    if with_trials and combined is None and not clock.out_of_time():  # (`gain` cannot be this mix's)
         combined = recommended_together(cfg, info, prepared_dir, base, results,
-                                        [r.knob for r in recs if r.knob and r.knob != "batch_size"])
+                                        [r.knob for r in recs if r.knob and r.knob != "batch_size"], clock.block)
     inference_s += inference_times(base)
     return {
         "variant": cfg.variant,
         "device": info.device.type,
         "threads": torch.get_num_threads(),
         "amp": base.ctx.amp,
+        "math": math_mode(base.ctx.amp, info.device),
         "batch_size": t.batch_size,
         "step_time_median_s": step_s,
         "step_time_iqr_s": iqr(times),
         "steps_timed": len(times),
         "throughput_img_s": base.images_per_step / step_s,
         "inference_img_s": INFERENCE_BATCH / statistics.median(inference_s),
+        "export_img_s": export_img_s,
+        "startup_s": startup_s,
         "fractions": facts.fractions,
         "cpu_util": cpu_util,
         **traced,
-        "peak_mem_mb": peak_mem_mb(info.device),
+        "peak_mem_mb": peak_mb,
         "memory_frac": mem_frac,
         "bottleneck": label,
         "recommendations": [_with_measurement(rec, results) for rec in recs],
@@ -119,7 +131,8 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "trial_rounds": p.trial_rounds,
         "time_box_s": time_box_s,
         "training_estimate_s": training_s,
-        "trials_start_by_s": start_by_s,
+        "trial_window_s": clock.window_s,
+        "trial_block_steps": block,
         # `at_batch`: values that differ at a batch `train.min_steps` may pick (training applies them there).
         "tuned": {**tuned, "at_batch": at_batch} if at_batch else tuned,
         "tuned_speedup": gain,

@@ -7,17 +7,17 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.hardware import cpu_has_fast_bf16
-from cnnpipe.monitor import process_seconds
+from cnnpipe.profile.clock import OUT_OF_TIME, TrialClock
 from cnnpipe.profile.diagnosis import MEMORY_FRAC
 from cnnpipe.profile.measure import Setup, build_setup, memory_frac, train_step
 from cnnpipe.train.distributed import DistInfo
-from cnnpipe.train.engine import sync_device
+from cnnpipe.train.engine import Spans, sync_device
 from cnnpipe.train.schedule import halved_batches
 from cnnpipe.train.tuning import auto_knobs
 
@@ -47,15 +47,16 @@ CLEAR_LOSS = 0.5
 
 
 def _block(s: Setup, steps: int) -> list[float]:
-    """`steps` timed steps after one untimed step that re-warms caches and the loader after a switch."""
+    """`steps` timed steps after one untimed step that re-warms caches and the loader after a switch.
+
+    On CUDA the steps are timed by events on the stream (`Spans`), with one wait at the end.
+    """
     train_step(s)
-    times = []
+    spans = Spans(s.device)
     for _ in range(steps):
-        t0 = time.perf_counter()
-        train_step(s)
-        sync_device(s.device)
-        times.append(time.perf_counter() - t0)
-    return times
+        with spans.span():
+            train_step(s)
+    return spans.durations()
 
 
 def paired_trial(knob: str, change: dict[str, Any], current: Setup, candidate: Setup, rounds: int, steps: int,
@@ -89,27 +90,32 @@ def paired_trial(knob: str, change: dict[str, Any], current: Setup, candidate: S
 
 
 def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.device,
-               recommended: set[str]) -> list[tuple[str, dict[str, Any]]]:
+               recommended: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
     """(knob, change) pairs to measure: every `auto` knob, plus the knobs the diagnosis points at.
 
     amp, channels_last and the loader are always measured (cheap, and the report shows each one's
-    gain over its hand setting); workers, pin_memory and compile only when asked for.
+    gain over its hand setting); workers, pin_memory and compile only when asked for. The knobs in
+    `recommended` (the diagnosis's, bottleneck first) come first, in its order.
     """
-    t, auto = cfg.train, set(auto_knobs(requested))
+    t, auto, asked = cfg.train, set(auto_knobs(requested)), set(recommended)
     out: list[tuple[str, dict[str, Any]]] = []
     amps = ["off", "bf16"] + (["fp16"] if device.type == "cuda" else [])
     out += [("amp", {"amp": a}) for a in amps if a != t.amp]
     out.append(("channels_last", {"channels_last": not t.channels_last}))
     out.append(("loader", {"loader": "fast" if t.loader == "baseline" else "baseline"}))
-    if "num_workers" in auto or recommended & {"num_workers", "loader"}:  # workers also hide a slow loader
+    if "num_workers" in auto or asked & {"num_workers", "loader"}:  # workers also hide a slow loader
         cores = len(os.sched_getaffinity(0))
         options = sorted({n for n in (1, 2, 4, 8, cores) if n <= cores} | {0})
         out += [("num_workers", {"num_workers": n}) for n in options if n != t.num_workers]
-    if device.type == "cuda" and ("pin_memory" in auto or "num_workers" in recommended):
+    if device.type == "cuda" and ("pin_memory" in auto or "num_workers" in asked):
         out.append(("pin_memory", {"pin_memory": not t.pin_memory}))
     if "compile" in auto and t.compile == "off":
-        out.append(("compile", {"compile": "default"}))
-    return out
+        # CUDA graphs (reduce-overhead) are what helps a launch-bound GPU step; the CPU has none
+        modes = ["default"] + (["reduce-overhead"] if device.type == "cuda" else [])
+        out += [("compile", {"compile": m}) for m in modes]
+    # the diagnosis's picks first: when the window is short, they are the trials that get measured
+    rank = {knob: i for i, knob in enumerate(recommended)}
+    return sorted(out, key=lambda kc: rank.get(kc[0], len(rank)))
 
 
 def ruled_out(change: dict[str, Any], device: torch.device) -> str:
@@ -120,71 +126,55 @@ def ruled_out(change: dict[str, Any], device: torch.device) -> str:
     return ""
 
 
-OUT_OF_TIME = ("not measured: the profile's time box was spent (profile.budget_share of run.budget_minutes, "
-               "and at most a fifth of the training it informs)")
-SHARE_OF_TRAINING = 0.2
-"""Under a budget a profile takes at most this share of the training it informs (the whole split's,
-predicted from the first timed window): a run that trains for seconds gets a profile of seconds."""
-
-
-def out_of_time(time_box_s: float | None) -> bool:
-    """True once no trial may start: past `time_box_s` seconds since the process started (None: no box)."""
-    return time_box_s is not None and process_seconds() > time_box_s
-
-
-def trial_deadline(box_s: float | None, training_s: float) -> float | None:
-    """The last moment (seconds since the process started) a trial may start: `box_s` (the budget's
-    share; None: no budget, no deadline) or SHARE_OF_TRAINING of `training_s`, whichever is sooner."""
-    if box_s is None:
-        return None
-    return min(box_s, SHARE_OF_TRAINING * training_s)
-
-
 def smaller_batches(cfg: VariantConfig) -> list[int]:
     """The batches `train.min_steps` may halve the recipe's batch to (none without `min_steps`)."""
     return [] if cfg.train.min_steps is None else halved_batches(cfg.train.batch_size)
 
 
 def run_trials(cfg: VariantConfig, requested: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
-               recommended: set[str], time_box_s: float | None = None) -> list[Trial]:
+               recommended: Sequence[str], clock: TrialClock | None = None) -> list[Trial]:
     """Measure each candidate against `current`, then grow the batch while it pays; a candidate whose
-    turn comes after `time_box_s` is noted, not timed."""
+    turn comes when `clock` has no room for another trial is noted, not timed."""
     p = cfg.profile
+    clock = clock or TrialClock(None, p.trial_steps)
     results = []
     for knob, change in candidates(cfg, requested, info.device, recommended):
-        if out_of_time(time_box_s):
+        if clock.out_of_time():
             reason = OUT_OF_TIME
         else:  # `profile.trial_ruled_out` times what the hardware rules out too
             reason = "" if p.trial_ruled_out else ruled_out(change, info.device)
         if reason:
             results.append(Trial(knob, change, note=reason))
             continue
-        if knob == "compile":
-            results.append(compile_trial(cfg, info, prepared_dir, current))
-            continue
-        candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
-        results.append(paired_trial(knob, change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain))
-        del candidate
-    results += batch_trials(cfg, info, prepared_dir, current, time_box_s=time_box_s)
+        with clock.timing():
+            if knob == "compile":
+                results.append(compile_trial(cfg, info, prepared_dir, current, change, clock.block))
+                continue
+            candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
+            results.append(paired_trial(knob, change, current, candidate, p.trial_rounds, clock.block, p.min_gain))
+            del candidate
+    results += batch_trials(cfg, info, prepared_dir, current, clock=clock)
     return results
 
 
 def batch_trials(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
-                 max_doublings: int = 2, time_box_s: float | None = None) -> list[Trial]:
+                 max_doublings: int = 2, clock: TrialClock | None = None) -> list[Trial]:
     """Double the batch while each doubling adds `min_gain`, memory stays under the memory rule's
-    threshold, nothing OOMs and the time box lasts."""
+    threshold, nothing OOMs and the clock has room."""
     p, results, previous = cfg.profile, [], None
+    clock = clock or TrialClock(None, p.trial_steps)
     for k in range(1, max_doublings + 1):
         change = {"batch_size": cfg.train.batch_size * 2 ** k}
-        if out_of_time(time_box_s):
+        if clock.out_of_time():
             results.append(Trial("batch_size", change, note=OUT_OF_TIME))
             break
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(info.device)  # the peak below is this candidate's
         try:
-            candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
-            trial = paired_trial("batch_size", change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
-            del candidate
+            with clock.timing():
+                candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
+                trial = paired_trial("batch_size", change, current, candidate, p.trial_rounds, clock.block, p.min_gain)
+                del candidate
         except torch.OutOfMemoryError:
             results.append(Trial("batch_size", change, note="out of memory"))
             break
@@ -212,28 +202,29 @@ profiled batch can be the wrong one for a short run's batch."""
 
 def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: DistInfo, prepared_dir: Path,
                          current: Setup, tuned: dict[str, Any], tuned_gain: float,
-                         time_box_s: float | None = None) -> list[dict[str, Any]]:
+                         clock: TrialClock | None = None) -> list[dict[str, Any]]:
     """Speed of each batch `train.min_steps` may halve to, and the batch-sensitive `auto` knobs
     re-tuned there.
 
     The batch itself is never tuned for speed (it changes the optimisation); the plan multiplies
     the recipe's speed by `speed_vs_tuned`, and training takes `at_batch` values at that batch.
-    Past the time box only the speeds are measured, not the re-tuning.
+    When the clock has no room only the speeds are measured, not the re-tuning.
     """
     p, out = cfg.profile, []
+    clock = clock or TrialClock(None, p.trial_steps)
     recipe = cfg.with_train(**tuned)
     retune = [k for k in BATCH_SENSITIVE if k in auto_knobs(requested)]
     for batch in smaller_batches(cfg):
         at_batch = build_setup(recipe.with_train(batch_size=batch), info, prepared_dir)
         trial = paired_trial("smaller_batch", {"batch_size": batch}, current, at_batch, p.trial_rounds,
-                             p.trial_steps, p.min_gain)
+                             clock.block, p.min_gain)
         trial.win = False  # measured for the plan, never tuned: the batch changes the optimisation
         entry, gain = trial.to_dict(), 1.0
         entry["at_batch"], entry["knob_trials"] = {}, []
-        for knob in [] if out_of_time(time_box_s) else retune:  # (the speed itself always: the plan needs it)
+        for knob in [] if clock.out_of_time() else retune:  # (the speed itself always: the plan needs it)
             flip = {knob: not getattr(recipe.train, knob), "batch_size": batch}
             other = build_setup(recipe.with_train(**flip), info, prepared_dir)
-            knob_trial = paired_trial(knob, flip, at_batch, other, p.trial_rounds, p.trial_steps, p.min_gain)
+            knob_trial = paired_trial(knob, flip, at_batch, other, p.trial_rounds, clock.block, p.min_gain)
             entry["knob_trials"].append(knob_trial.to_dict())
             if knob_trial.win:
                 entry["at_batch"][knob], gain = flip[knob], gain * knob_trial.speedup
@@ -244,16 +235,19 @@ def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: Dis
     return out
 
 
-def compile_trial(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup) -> Trial:
-    """torch.compile, judged over the whole run: the per-step gain must repay the compile time."""
-    p, change = cfg.profile, {"compile": "default"}
+def compile_trial(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
+                  change: dict[str, Any] | None = None, steps: int | None = None) -> Trial:
+    """torch.compile (`change`: its mode), judged over the whole run: the per-step gain must repay
+    the compile time."""
+    p, change = cfg.profile, change or {"compile": "default"}
     try:
         candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
         t0 = time.perf_counter()
         train_step(candidate)  # compiles forward and backward
         sync_device(info.device)
         first_step_s = time.perf_counter() - t0
-        trial = paired_trial("compile", change, current, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+        trial = paired_trial("compile", change, current, candidate, p.trial_rounds, steps or p.trial_steps,
+                             p.min_gain)
     except Exception as exc:  # inductor needs a C++ compiler (CPU) or Triton (CUDA); report, do not fail
         return Trial("compile", change, note=f"compile failed: {type(exc).__name__}: {str(exc)[:200]}")
     step_eager = current.images_per_step / trial.before_img_s
@@ -268,7 +262,7 @@ def compile_trial(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, curren
 
 
 def recommended_together(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, base: Setup, results: list[Trial],
-                         knobs: list[str]) -> Trial | None:
+                         knobs: list[str], steps: int | None = None) -> Trial | None:
     """The recommended knobs applied at once: they interact (bf16 convolutions want NHWC in oneDNN
     and cuDNN), so the sum of one-at-a-time gains understates what following the advice buys."""
     together = {}
@@ -280,4 +274,5 @@ def recommended_together(cfg: VariantConfig, info: DistInfo, prepared_dir: Path,
         return None
     p = cfg.profile
     candidate = build_setup(cfg.with_train(**together), info, prepared_dir)
-    return paired_trial("recommended", together, base, candidate, p.trial_rounds, p.trial_steps, p.min_gain)
+    return paired_trial("recommended", together, base, candidate, p.trial_rounds, steps or p.trial_steps,
+                        p.min_gain)

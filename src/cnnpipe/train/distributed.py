@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,12 +41,31 @@ class DistInfo:
 
 
 def resolve_device(preference: str, local_rank: int = 0) -> torch.device:
-    """`auto` → the local CUDA device when there is one, else the CPU."""
+    """`auto` → the local CUDA device when there is one, else the CPU (with a warning when the
+    machine has NVIDIA GPUs that this torch cannot use)."""
     if preference == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use `auto` or `cpu`")
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use `auto` or `cpu`"
+                           + (f" ({gpus_unusable_reason()})" if nvidia_gpus_present() else ""))
     if preference in ("cuda", "auto") and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if preference == "auto" and nvidia_gpus_present():
+        warnings.warn(f"train.device=auto falls back to the CPU: {gpus_unusable_reason()}", stacklevel=2)
     return torch.device("cpu")
+
+
+def nvidia_gpus_present() -> bool:
+    """True when the kernel exposes NVIDIA GPUs (/dev/nvidia0...), whether or not torch can use them."""
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def gpus_unusable_reason() -> str:
+    """Why torch sees no GPU on a machine that has them, in words a user can act on."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build; install a CUDA wheel of torch"
+    return (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} and cannot use the GPUs "
+            f"here: the NVIDIA driver is likely older than that CUDA needs (compare `nvidia-smi`), or "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')} hides them; set "
+            "train.device=cpu to silence this")
 
 
 def under_torchrun() -> bool:

@@ -6,7 +6,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Iterable
+from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,22 @@ def micro_step(ctx: StepContext, images: torch.Tensor, labels: torch.Tensor, dev
             for group in ctx.optimizer.param_groups:
                 group["lr"] = ctx.lr_for_step(step)
             ctx.optimizer.zero_grad(set_to_none=True)
+    # DDP: a micro-batch that does not end the window skips the gradient all-reduce. The forward pass
+    # must be inside no_sync too: DDP's forward arms the reducer that the backward then fires.
+    no_sync = getattr(ctx.model, "no_sync", None)
+    with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
+        loss = _forward_backward(ctx, x, labels, targets, step, region)
+    if last:
+        with region("optimizer"):
+            _optimizer_step(ctx)
+            if ctx.ema is not None:
+                ctx.ema.update(unwrap(ctx.model), step=step)
+    return loss.detach()
+
+
+def _forward_backward(ctx: StepContext, x: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor | None,
+                      step: int, region: Region) -> torch.Tensor:
+    """Forward, NaN guard and backward of one micro-batch (the loss scaled by 1/accum_steps)."""
     with region("forward"):
         with autocast(ctx.amp, ctx.device):
             if targets is None:
@@ -105,18 +121,10 @@ def micro_step(ctx: StepContext, images: torch.Tensor, labels: torch.Tensor, dev
         if (ctx.device.type != "cuda" or step % 50 == 0) and not math.isfinite(loss.item()):
             raise NonFiniteLoss(f"loss is {loss.item()} at optimizer step {step} "
                                 f"(lr={ctx.lr_for_step(step):.4g})")
-    accum = max(1, ctx.accum_steps)
-    no_sync = getattr(ctx.model, "no_sync", None)  # DDP only: skip the all-reduce inside a window
     with region("backward"):
-        scaled = loss / accum
-        with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
-            (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
-    if last:
-        with region("optimizer"):
-            _optimizer_step(ctx)
-            if ctx.ema is not None:
-                ctx.ema.update(unwrap(ctx.model), step=step)
-    return loss.detach()
+        scaled = loss / max(1, ctx.accum_steps)
+        (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
+    return loss
 
 
 def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callable, start_step: int) -> EpochStats:
@@ -125,29 +133,27 @@ def train_one_epoch(ctx: StepContext, loader: Iterable, device_transform: Callab
     stats = EpochStats()
     running = torch.zeros((), device=ctx.device)
     step = start_step
-    sync = ctx.device.type == "cuda"
     t_epoch = time.perf_counter()
     t_wait = time.perf_counter()
+    steps = Spans(ctx.device)  # on CUDA: events on the stream, so timing adds no wait per step
     accum = max(1, ctx.accum_steps)
     usable = (len(loader) // accum) * accum if hasattr(loader, "__len__") else None
     for micro, (images, labels) in enumerate(loader):
         if usable is not None and micro >= usable:
             break  # a trailing partial accumulation window would step with fewer samples
         stats.data_wait_s += time.perf_counter() - t_wait  # time blocked on the loader
-        t_step = time.perf_counter()
         first, last = micro % accum == 0, (micro + 1) % accum == 0
         if first:
             stats.lr_last = ctx.lr_for_step(step)
-        loss = micro_step(ctx, images, labels, device_transform, step, first, last)
+        with steps.span():
+            loss = micro_step(ctx, images, labels, device_transform, step, first, last)
         if last:
             step += 1
             stats.steps += 1
         running += loss * labels.shape[0]
         stats.images += labels.shape[0]
-        stats.step_times.append(time.perf_counter() - t_step)
         t_wait = time.perf_counter()
-    if sync:
-        torch.cuda.synchronize(ctx.device)
+    stats.step_times = steps.durations()  # (waits for the device on CUDA)
     stats.time_s = time.perf_counter() - t_epoch
     stats.loss = running.item() / max(1, stats.images)
     if not math.isfinite(stats.loss):
@@ -175,13 +181,15 @@ def _optimizer_step(ctx: StepContext) -> None:
 @torch.no_grad()
 def forward_times(model: torch.nn.Module, in_chans: int, image_size: int, channels_last: bool, amp: str,
                   device: torch.device, batch: int = 256, calls: int = 5) -> list[float]:
-    """Seconds per forward pass of the model alone on `batch` zero images, in eval mode without
+    """Seconds per forward pass of the model alone on `batch` random images, in eval mode without
     autograd, at the recipe's precision and layout: what evaluation and export run at.
 
-    `calls` timed calls after one untimed one, which pays for allocation and kernel selection; the
-    model's train/eval mode is restored.
+    Random, not zero, inputs: recent GPUs run matrix products on zeros measurably faster (less
+    switching power). `calls` timed calls after one untimed one, which pays for allocation and
+    kernel selection; the model's train/eval mode is restored.
     """
-    x = torch.zeros(batch, in_chans, image_size, image_size, device=device)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, in_chans, image_size, image_size, generator=generator).to(device)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     was_training = model.training
@@ -199,6 +207,39 @@ def forward_times(model: torch.nn.Module, in_chans: int, image_size: int, channe
     finally:
         model.train(was_training)
     return times
+
+
+class Spans:
+    """Durations of timed spans: wall time on the CPU; on CUDA, the time on the device's stream
+    between two events, read after one wait at the end. A wait per span would stop the host queueing
+    the next step while the GPU runs this one, so the timing would slow what it measures."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._spans: list[tuple] = []
+
+    def _now(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        start = self._now()
+        yield
+        self._spans.append((start, self._now()))
+
+    def durations(self) -> list[float]:
+        """Seconds of each span so far, in order; the spans are then forgotten."""
+        if self.device.type == "cuda":
+            sync_device(self.device)
+            out = [a.elapsed_time(b) / 1000 for a, b in self._spans]
+        else:
+            out = [b - a for a, b in self._spans]
+        self._spans.clear()
+        return out
 
 
 def sync_device(device: torch.device) -> None:

@@ -40,7 +40,7 @@ from cnnpipe.train.distributed import (
     unwrap,
 )
 from cnnpipe.train.engine import StepContext, evaluate_top1, train_one_epoch
-from cnnpipe.train.precision import grad_scaler, resolve_amp
+from cnnpipe.train.precision import grad_scaler, math_mode, resolve_amp, use_cudnn_autotuner
 from cnnpipe.train.schedule import LrSchedule
 from cnnpipe.train.tuning import resolve_auto
 
@@ -128,6 +128,7 @@ def step_context(cfg: VariantConfig, parts: TrainingParts, info: DistInfo, lr_fo
     With SyncBN the returned model is the converted one; it shares parameters with `parts.model`.
     """
     t = cfg.train
+    use_cudnn_autotuner(info.device)
     model = parts.model
     train_model: torch.nn.Module = model
     if info.distributed:
@@ -239,13 +240,38 @@ def _resume(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, ema: torch
     return _Progress(state["epoch"], state["history"], state.get("best_top1", -1.0), state["epoch"])
 
 
+CHECKPOINT_SHARE = 0.05
+"""Checkpoints may take at most this share of training time: a due last.pt is skipped while the time
+since the previous one is under 1/share times what that one took to write. ResNet-50's last.pt is
+~285 MB, fsynced: nothing on a CPU epoch of a minute, but more than a whole epoch on an H200."""
+
+
+@dataclass
+class _Pacer:
+    """When the last checkpoint was written and how long it took; the best model not yet on disk."""
+
+    last_write: float = field(default_factory=time.monotonic)
+    write_s: float = 0.0
+    pending_best: dict[str, Any] | None = None
+
+    def due(self, every: int | str, epoch: int, final: bool) -> bool:
+        """`every`: train.checkpoint_every (N epochs, or `auto`: paced by `CHECKPOINT_SHARE`)."""
+        if final:
+            return True
+        if every == "auto":
+            return time.monotonic() - self.last_write >= self.write_s / CHECKPOINT_SHARE
+        return (epoch + 1) % every == 0
+
+
 def _save_checkpoints(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, model: torch.nn.Module,
                       ema: torch.nn.Module | None, progress: _Progress, fingerprint: str, epoch: int, improved: bool,
-                      model_dir: Path) -> None:
-    """last.pt every `train.checkpoint_every` epochs and at the end, with every rank's RNG states;
-    best.pt when validation improved. Called on every rank (the RNG states are gathered); the
-    primary rank writes."""
-    due = (epoch + 1) % cfg.train.checkpoint_every == 0 or epoch + 1 == cfg.train.epochs
+                      model_dir: Path, pacer: _Pacer) -> None:
+    """last.pt every `train.checkpoint_every` epochs (`auto`: paced by `CHECKPOINT_SHARE`) and at the end,
+    with every rank's RNG states; best.pt when validation improved, written with the next last.pt
+    (so the two always agree on disk). Called on every rank (the RNG states are gathered); the
+    primary rank decides and writes."""
+    final = epoch + 1 == cfg.train.epochs
+    due = broadcast_object(pacer.due(cfg.train.checkpoint_every, epoch, final), info)
     if due:
         augment = getattr(parts.loader.device_transform, "state", dict)()
         rngs = all_gather_objects((ckpt.rng_state(info.device), augment), info)
@@ -257,15 +283,29 @@ def _save_checkpoints(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, 
         "init": parts.init.to_dict(), "meta": _model_meta(cfg, parts.split, parts.mean, parts.std, parts.amp),
         "ema": ema.state_dict() if ema is not None else None,
     }
-    if due:
-        ckpt.save_atomic({
-            **state, "optimizer": parts.optimizer.state_dict(),
-            "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-            "rng": [r for r, _ in rngs], "augment_rng": [a for _, a in rngs],
-        }, model_dir / "last.pt")
-    if improved:
-        ckpt.save_atomic({k: state[k] for k in ("model", "ema", "meta", "init", "epoch", "fingerprint")},
-                         model_dir / "best.pt")
+    if improved:  # a CPU copy: the GPU weights move on with the next epoch
+        pacer.pending_best = {k: _to_cpu(state[k]) for k in ("model", "ema", "meta", "init", "epoch", "fingerprint")}
+    if not due:
+        return
+    t0 = time.monotonic()
+    ckpt.save_atomic({
+        **state, "optimizer": parts.optimizer.state_dict(),
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        "rng": [r for r, _ in rngs], "augment_rng": [a for _, a in rngs],
+    }, model_dir / "last.pt")
+    if pacer.pending_best is not None:
+        ckpt.save_atomic(pacer.pending_best, model_dir / "best.pt")
+        pacer.pending_best = None
+    pacer.last_write, pacer.write_s = time.monotonic(), time.monotonic() - t0
+
+
+def _to_cpu(value: Any) -> Any:
+    """`value` with every tensor in it copied to the CPU (state dicts, nested)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
 
 
 def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, metrics_path: Path,
@@ -306,6 +346,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     ctx, model = step_context(cfg, parts, info, parts.schedule, ema)
     live = _Live(live_dir if info.is_primary else None, resume=bool(progress.resumed_from))
     gpu = GpuUtilSampler(info.device)
+    pacer = _Pacer()
     if info.is_primary:
         print(f"train[{cfg.variant}]: {cfg.model.name} init={parts.init.source} device={info.device} "
               f"x{info.world_size} amp={parts.amp} channels_last={t.channels_last} compile={t.compile} "
@@ -338,7 +379,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
             print(f"train[{cfg.variant}] epoch {epoch + 1}/{t.epochs} loss={record['train_loss']:.4f} "
                   f"val_top1={record['val_top1']:.4f} time={record['epoch_time_s']:.1f}s "
                   f"{record['throughput_img_s']:.0f} img/s data_wait={record['data_wait_frac']:.1%}", flush=True)
-        _save_checkpoints(cfg, info, parts, model, ema, progress, fingerprint, epoch, improved, model_dir)
+        _save_checkpoints(cfg, info, parts, model, ema, progress, fingerprint, epoch, improved, model_dir, pacer)
     gpu_util = gpu.stop()
     live.end()
     if not info.is_primary:
@@ -421,6 +462,7 @@ def _summary(cfg: VariantConfig, history: list[dict], init, info: DistInfo, amp:
         "init": init.source if init.source == "random" else f"{init.source}:{init.location}",
         "init_sha256": init.sha256,
         "amp": amp,
+        "math": math_mode(amp, info.device),
         "channels_last": cfg.train.channels_last,
         "compile": cfg.train.compile,
         "loader": cfg.train.loader,
