@@ -349,3 +349,28 @@ def test_a_hostile_pickle_is_still_refused_not_set_aside(tmp_path):
     with pytest.raises(ckpt.UnsafeCheckpoint):
         ckpt.load(path)
     assert path.exists()
+
+
+def test_paced_checkpoints_still_keep_the_best_epochs_weights(tmp_path, prepared, monkeypatch):
+    """`checkpoint_every: auto` skips writes on a fast device; the best epoch's weights must still
+    reach best.pt when its epoch was not written (epoch 2 of 4 here: only 1 and 4 are)."""
+    import torch
+
+    scores = iter([0.5, 0.9, 0.6, 0.7])
+    monkeypatch.setattr(trainer, "evaluate_top1", lambda *a, **k: dict.fromkeys(("top1", "top5"), next(scores))
+                        | {"loss": 1.0})
+    monkeypatch.setattr(trainer, "CHECKPOINT_SHARE", 1e-9)  # after the first write, none until the last
+    snapshots = []
+
+    def hook(model):
+        snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return {}
+
+    cfg = run_config(tmp_path, epochs=4, checkpoint_every="auto")
+    trainer.fit(cfg, DistInfo(), prepared, tmp_path / "models", tmp_path / "train.json", tmp_path / "live",
+                epoch_hook=hook)
+    best = torch.load(tmp_path / "models" / "best.pt", weights_only=True)
+    last = torch.load(tmp_path / "models" / "last.pt", weights_only=True)
+    assert best["epoch"] == 2 and last["epoch"] == 4
+    assert all(torch.equal(best["model"][k], snapshots[1][k]) for k in snapshots[1])
+    assert not all(torch.equal(best["model"][k], snapshots[3][k]) for k in snapshots[3])

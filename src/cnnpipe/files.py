@@ -1,4 +1,5 @@
-"""Atomic writes: a crash, or a full disk, never leaves a half-written result file behind."""
+"""Atomic writes (a crash, or a full disk, never leaves a half-written result file behind), and the
+one way stages read the small YAML files earlier stages wrote."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
+
+import yaml
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
@@ -69,3 +72,14 @@ def write_text(path: Path, text: str) -> None:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Indented UTF-8 JSON, written atomically."""
     write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_yaml_mapping(path: Path | None, problem: str) -> dict[str, Any]:
+    """A YAML mapping written by an earlier stage; empty when `path` is None or absent. Anything else
+    than a mapping raises ValueError naming the file and `problem` (what was expected, how to fix it)."""
+    if path is None or not Path(path).exists():
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: {problem}")
+    return data

@@ -60,6 +60,11 @@ class TrialClock:
         if math.isnan(self.start):
             self.start = self.now()
 
+    @classmethod
+    def unlimited(cls, trial_steps: int) -> TrialClock:
+        """No window (no budget): every trial runs, in blocks of `profile.trial_steps`."""
+        return cls(None, trial_steps)
+
     def elapsed(self) -> float:
         return self.now() - self.start
 

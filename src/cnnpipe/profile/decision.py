@@ -35,7 +35,7 @@ def confirm_winners(requested: VariantConfig, current: VariantConfig, info: Dist
     kept: one winning knob by `confirm_single`, several by `confirm_mix`. Returns the values to keep
     and that second trial (None when nothing changed, or a single win past the time box)."""
     changed = changed_knobs(current, tuned)
-    clock = clock or TrialClock(None, current.profile.trial_steps)
+    clock = clock or TrialClock.unlimited(current.profile.trial_steps)
     if not changed:
         return tuned, None
     if len(changed) == 1:

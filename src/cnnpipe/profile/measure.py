@@ -49,17 +49,16 @@ class RegionTimer:
     a region queued lands in it, and a data wait counts only where the GPU ran dry waiting for the
     batch); each region is also a profiler label."""
 
-    def __init__(self, device: torch.device, timed: bool = True) -> None:
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
         self.device = device
-        self.timed = timed  # False: labels only (the trace)
-        self.enabled = True
+        self.enabled = enabled  # False: labels only (warm-up steps, and the trace, where events would show)
         self._spans = {r: Spans(device) for r in REGIONS}
         self._totals: dict[str, float] = {r: 0.0 for r in REGIONS}
 
     @contextlib.contextmanager
     def region(self, name: str) -> Iterator[None]:
         with record_function(name):
-            if self.timed and self.enabled:
+            if self.enabled:
                 with self._spans[name].span():
                     yield
             else:
@@ -134,8 +133,7 @@ def train_step(s: Setup, timer: RegionTimer | None = None) -> None:
 
 def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[str, float], float]:
     """(step times, region totals, CPU utilisation) over `steps` steps after `warmup`."""
-    timer = RegionTimer(s.device)
-    timer.enabled = False
+    timer = RegionTimer(s.device, enabled=False)
     for _ in range(warmup):
         train_step(s, timer)
     timer.enabled = True
@@ -189,7 +187,7 @@ def trace_window(s: Setup, trace_dir: Path, worker: str) -> dict[str, float | No
         # probe) and trace markers on every start; on a CPU-only trace nothing it logs is ours to act on.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     p = s.cfg.profile
-    timer = RegionTimer(s.device, timed=False)  # labels only: events would show up in the trace
+    timer = RegionTimer(s.device, enabled=False)  # labels only: events would show up in the trace
     with profile(activities=activities, schedule=schedule(wait=p.wait, warmup=p.warmup, active=p.active, repeat=1),
                  on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=worker),
                  record_shapes=True, profile_memory=True) as prof:

@@ -136,7 +136,7 @@ def run_trials(cfg: VariantConfig, requested: VariantConfig, info: DistInfo, pre
     """Measure each candidate against `current`, then grow the batch while it pays; a candidate whose
     turn comes when `clock` has no room for another trial is noted, not timed."""
     p = cfg.profile
-    clock = clock or TrialClock(None, p.trial_steps)
+    clock = clock or TrialClock.unlimited(p.trial_steps)
     results = []
     for knob, change in candidates(cfg, requested, info.device, recommended):
         if clock.out_of_time():
@@ -162,7 +162,7 @@ def batch_trials(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current
     """Double the batch while each doubling adds `min_gain`, memory stays under the memory rule's
     threshold, nothing OOMs and the clock has room."""
     p, results, previous = cfg.profile, [], None
-    clock = clock or TrialClock(None, p.trial_steps)
+    clock = clock or TrialClock.unlimited(p.trial_steps)
     for k in range(1, max_doublings + 1):
         change = {"batch_size": cfg.train.batch_size * 2 ** k}
         if clock.out_of_time():
@@ -211,7 +211,7 @@ def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: Dis
     When the clock has no room only the speeds are measured, not the re-tuning.
     """
     p, out = cfg.profile, []
-    clock = clock or TrialClock(None, p.trial_steps)
+    clock = clock or TrialClock.unlimited(p.trial_steps)
     recipe = cfg.with_train(**tuned)
     retune = [k for k in BATCH_SENSITIVE if k in auto_knobs(requested)]
     for batch in smaller_batches(cfg):

@@ -9,20 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from cnnpipe.config import VariantConfig
+from cnnpipe.files import read_yaml_mapping
 from cnnpipe.train.schedule import batch_for_steps
 
 
 def read_budget(path: Path | None) -> dict[str, Any]:
     """metrics/plan/budget.yaml (empty when absent: no budget applies)."""
-    if path is None or not Path(path).exists():
-        return {}
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected `fraction` and `images_per_epoch`; rerun `dvc repro plan`")
-    return data
+    return read_yaml_mapping(path, "expected `fraction` and `images_per_epoch`; rerun `dvc repro plan`")
 
 
 def apply_budget(cfg: VariantConfig, budget: dict[str, Any]) -> VariantConfig:

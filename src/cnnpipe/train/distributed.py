@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import datetime
 import os
-import warnings
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

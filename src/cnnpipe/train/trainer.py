@@ -240,6 +240,8 @@ def _resume(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, ema: torch
     return _Progress(state["epoch"], state["history"], state.get("best_top1", -1.0), state["epoch"])
 
 
+BEST_KEYS = ("model", "ema", "meta", "init", "epoch", "fingerprint")
+"""What best.pt holds: the weights and what loading them needs, no optimizer or RNG state."""
 CHECKPOINT_SHARE = 0.05
 """Checkpoints may take at most this share of training time: a due last.pt is skipped while the time
 since the previous one is under 1/share times what that one took to write. ResNet-50's last.pt is
@@ -283,19 +285,20 @@ def _save_checkpoints(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, 
         "init": parts.init.to_dict(), "meta": _model_meta(cfg, parts.split, parts.mean, parts.std, parts.amp),
         "ema": ema.state_dict() if ema is not None else None,
     }
-    if improved:  # a CPU copy: the GPU weights move on with the next epoch
-        pacer.pending_best = {k: _to_cpu(state[k]) for k in ("model", "ema", "meta", "init", "epoch", "fingerprint")}
     if not due:
+        if improved:  # a CPU copy until the next write: the weights move on with the next epoch
+            pacer.pending_best = {k: _to_cpu(state[k]) for k in BEST_KEYS}
         return
+    best = {k: state[k] for k in BEST_KEYS} if improved else pacer.pending_best
     t0 = time.monotonic()
     ckpt.save_atomic({
         **state, "optimizer": parts.optimizer.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "rng": [r for r, _ in rngs], "augment_rng": [a for _, a in rngs],
     }, model_dir / "last.pt")
-    if pacer.pending_best is not None:
-        ckpt.save_atomic(pacer.pending_best, model_dir / "best.pt")
-        pacer.pending_best = None
+    if best is not None:
+        ckpt.save_atomic(best, model_dir / "best.pt")
+    pacer.pending_best = None
     pacer.last_write, pacer.write_s = time.monotonic(), time.monotonic() - t0
 
 

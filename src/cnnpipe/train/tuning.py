@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from cnnpipe.config import VariantConfig
+from cnnpipe.files import read_yaml_mapping
 from cnnpipe.train.precision import resolve_amp
 
 TUNABLE = ("amp", "channels_last", "loader", "num_workers", "pin_memory", "compile")
@@ -34,12 +34,7 @@ def default_for(knob: str, device: torch.device) -> Any:
 
 def read_tuned(path: Path | None) -> dict[str, Any]:
     """The tuned values file (empty when absent)."""
-    if path is None or not Path(path).exists():
-        return {}
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of train keys to values; rerun `dvc repro profile`")
-    return data
+    return read_yaml_mapping(path, "expected a mapping of train keys to values; rerun `dvc repro profile`")
 
 
 def resolve_auto(cfg: VariantConfig, device: torch.device, tuned: dict[str, Any] | None = None) -> VariantConfig:
