@@ -301,9 +301,14 @@ def test_a_new_local_weights_file_reruns_training(project):
 
 
 def test_a_tight_budget_shrinks_every_variant_alike(project):
-    """run.budget_minutes below what the plan predicts: fewer images per epoch, the same for both."""
-    # 200 one-batch epochs and seven stage start-ups exceed the 1-minute floor of run.budget_minutes on
-    # any machine (start-ups are measured now, ~5 s here): the plan must say OVER budget
+    """run.budget_minutes below what the plan predicts: fewer images per epoch, the same for both.
+
+    200 epochs of the tiny split take minutes, over the 1-minute floor of run.budget_minutes; how
+    far the plan shrinks them depends on this machine's measured speeds (the plan's own rules,
+    OVER budget included, are tested on fixed numbers in test_plan.py).
+    """
+    from cnnpipe.plan.plan import LADDER
+
     params = tiny_params(epochs=200)
     params["data"]["stored_size"] = 32
     params["run"] = {"budget_minutes": 1}
@@ -312,12 +317,14 @@ def test_a_tight_budget_shrinks_every_variant_alike(project):
     assert {"plan", "train@baseline", "train@optimized"} <= set(stages_run(out))
     plan = json.loads((project / "metrics" / "plan" / "plan.json").read_text())
     budget = yaml.safe_load((project / "metrics" / "plan" / "budget.yaml").read_text())
-    assert plan["fraction"] < 1.0 and not plan["fits"] and "OVER budget" in out
-    assert budget["images_per_epoch"] == plan["images_per_epoch"] == 32  # one batch of the largest global batch
+    assert plan["fraction"] < 1.0
+    assert ("OVER budget" in out) == (plan["fraction"] == LADDER[-1] and plan["predicted_total_s"] > 60)
+    images = plan["images_per_epoch"]
+    assert budget["images_per_epoch"] == images < plan["train_images"] and images % 32 == 0  # whole batches
     assert budget["val_images"] == plan["val_images"] and budget["parity_images"] == plan["parity_images"]
     for variant in ("baseline", "optimized"):
         train = json.loads((project / "metrics" / variant / "train.json").read_text())
-        assert train["images_per_epoch"] == 32
+        assert train["images_per_epoch"] == images
         assert all(h["epoch_time_s"] > 0 for h in train["history"])
     diff = run(["dvc", "metrics", "diff", "--json"], project)
     assert "images_per_epoch" in diff
