@@ -44,7 +44,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--size", type=int, default=64, help="stored and model image size")
+    parser.add_argument("--size", type=int, default=64, help="stored image size (and the model's, by default)")
+    parser.add_argument("--image-size", default=None, help="the model's input size, or `auto` (default: --size)")
     parser.add_argument("--train-images", type=int, default=20000)
     parser.add_argument("--variants", nargs="+", default=["baseline", "optimized"])
     parser.add_argument("--out", type=Path, default=Path("bench_out/device_profile"))
@@ -60,7 +61,9 @@ def main() -> None:
     prepared = work / "prepared"
     for variant in args.variants:
         cfg = resolve(params, variant)
-        data = dataclasses.replace(cfg.data, image_size=args.size, stored_size=args.size,
+        image_size = args.size if args.image_size is None else (
+            args.image_size if args.image_size == "auto" else int(args.image_size))
+        data = dataclasses.replace(cfg.data, image_size=image_size, stored_size=args.size,
                                    prepare_workers=args.prepare_workers or cfg.data.prepare_workers)
         cfg = dataclasses.replace(cfg, data=data)
         cfg = cfg.with_train(device=args.device)

@@ -291,3 +291,39 @@ def test_auto_checkpoints_are_paced_to_a_small_share_of_training(monkeypatch):
     now.t += 1.0 / trainer_mod.CHECKPOINT_SHARE
     assert pacer.due("auto", 2, final=False)
     assert pacer.due(1, 1, final=False) and not pacer.due(2, 0, final=False)  # every N epochs: as asked
+
+
+# ---------------------------------------------------------------------------------------- the GPU workload
+def test_image_size_auto_is_the_store_on_a_cpu_and_resnets_own_size_on_a_gpu(monkeypatch, tmp_path):
+    """At the store's 32 px an H200 is launch-bound and shows none of the recipes' differences."""
+    from cnnpipe.config import DataConfig
+    from cnnpipe.train.tuning import GPU_IMAGE_SIZE, image_size_for, resolve_auto
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert image_size_for(DataConfig(stored_size=32), cpu) == 32
+    assert image_size_for(DataConfig(stored_size=32), cuda) == GPU_IMAGE_SIZE == 224
+    assert image_size_for(DataConfig(stored_size=512), cuda) == 512  # a bigger store is used as it is
+    assert image_size_for(DataConfig(image_size=28, stored_size=32), cuda) == 28  # explicit values stand
+    params = tiny_params()
+    params["data"]["image_size"] = "auto"
+    cfg = resolve(load_params(write_params(tmp_path / "auto.yaml", params)), "optimized")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert resolve_auto(cfg, cuda).data.image_size == 224
+    assert resolve_auto(cfg, cpu).data.image_size == cfg.data.stored_size
+
+
+def test_a_store_smaller_than_the_model_input_is_upsampled_per_batch(tmp_path, prepared):
+    """The fast loader upsamples on the device, the baseline's PIL path per sample: both train."""
+    import dataclasses
+
+    from cnnpipe.profile.measure import build_setup, timed_steps
+
+    for variant in ("optimized", "baseline"):
+        cfg = config(tmp_path, variant)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_size=2 * cfg.data.stored_size))
+        s = build_setup(cfg, DistInfo(), prepared)
+        images, _ = s.next_batch()
+        x = s.loader.device_transform(images)
+        assert x.shape[-2:] == (2 * cfg.data.stored_size,) * 2
+        times, _, _ = timed_steps(s, warmup=0, steps=1)
+        assert times[0] > 0

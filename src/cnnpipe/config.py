@@ -26,8 +26,10 @@ class DataConfig:
 
     source: str = "fashion-mnist"
     """`fashion-mnist` (Debian package or data/raw copy) or a path to an ImageFolder tree."""
-    image_size: int = 32
-    """Side of the square crop fed to the model, for training and evaluation."""
+    image_size: int | str = "auto"
+    """Side of the square crop fed to the model, for training and evaluation; `auto`: `stored_size` on
+    a CPU, `tuning.GPU_IMAGE_SIZE` on a GPU. Above `stored_size` the loaders upsample each batch (on
+    the device for the fast loader): cheap on a GPU, and no larger store to prepare."""
     stored_size: int = 32
     """Short side of the images written by `prepare` (pre-resized once)."""
     val_fraction: float = 0.1
@@ -47,10 +49,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for key in ("image_size", "stored_size"):
-            if not 8 <= getattr(self, key) <= 1024:
-                reject(f"data.{key}", getattr(self, key), "an integer in [8, 1024]")
-        if self.image_size > self.stored_size:
-            reject("data.image_size", self.image_size, f"<= data.stored_size ({self.stored_size})")
+            value = getattr(self, key)
+            if (key, value) != ("image_size", "auto") and not (isinstance(value, int) and 8 <= value <= 1024):
+                reject(f"data.{key}", value, "an integer in [8, 1024]" + (" or `auto`" if key == "image_size" else ""))
         for key in ("val_fraction", "test_fraction"):
             if not 0.0 < getattr(self, key) < 0.5:
                 reject(f"data.{key}", getattr(self, key), "a fraction in (0, 0.5)")

@@ -67,7 +67,7 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
                  + " | ".join(f"{p['throughput_img_s']:.0f} img/s" for p in profiles.values()) + " |")
     for name, p in profiles.items():
         lines += ["", f"## {name}: bottleneck `{p['bottleneck']}`", "",
-                  f"{p['device']}, {p['threads']} threads, amp={p['amp']}, batch {p['batch_size']}, "
+                  f"{p['device']}, {p['threads']} threads, {_image_size(p)}amp={p['amp']}, batch {p['batch_size']}, "
                   f"CPU utilisation {p['cpu_util']:.0%}, peak memory {p['peak_mem_mb']:.0f} MB, "
                   f"{_syncs(p)}{_gpu_facts(p)}.{_stage_time(p)}", ""]
         if not p["recommendations"]:
@@ -102,6 +102,15 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
               "Or load a `logs/profile/<variant>/*.pt.trace.json` file in https://ui.perfetto.dev.",
               "The figures above come from an un-profiled timed run (the profiler's overhead is not in them).", ""]
     return "\n".join(lines)
+
+
+def _image_size(p: dict[str, Any]) -> str:
+    """The model's input size, and why when `data.image_size: auto` chose it for a GPU."""
+    if p.get("image_size") is None:  # profiles from before it was recorded
+        return ""
+    why = " (`data.image_size: auto` on a GPU: at the store's size it would be launch-bound)" \
+        if p.get("image_size_auto") and p["device"] == "cuda" else ""
+    return f"{p['image_size']} px{why}, "
 
 
 def _stage_time(p: dict[str, Any]) -> str:

@@ -108,6 +108,8 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "variant": cfg.variant,
         "device": info.device.type,
         "threads": torch.get_num_threads(),
+        "image_size": cfg.data.image_size,
+        "image_size_auto": requested.data.image_size == "auto",
         "amp": base.ctx.amp,
         "math": math_mode(base.ctx.amp, info.device),
         "batch_size": t.batch_size,
@@ -152,7 +154,8 @@ def save_profile(result: dict[str, Any], out_dir: Path) -> None:
 def summary(result: dict[str, Any]) -> str:
     """The lines the stage prints: breakdown, bottleneck, advice, trials and tuned values."""
     shares = ", ".join(f"{k} {v:.0%}" for k, v in result["fractions"].items() if v >= 0.01)
-    lines = [f"profile[{result['variant']}]: {result['step_time_median_s'] * 1000:.0f} ms/step, "
+    lines = [f"profile[{result['variant']}] at {result.get('image_size')} px: "
+             f"{result['step_time_median_s'] * 1000:.0f} ms/step, "
              f"{result['throughput_img_s']:.0f} img/s; {shares}; bottleneck: {result['bottleneck']}"]
     lines += [f"  - {rec['action']}  (evidence: {rec['evidence']})" for rec in result["recommendations"]]
     for trial in all_trials(result):

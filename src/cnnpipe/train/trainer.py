@@ -352,7 +352,8 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     pacer = _Pacer()
     if info.is_primary:
         print(f"train[{cfg.variant}]: {cfg.model.name} init={parts.init.source} device={info.device} "
-              f"x{info.world_size} amp={parts.amp} channels_last={t.channels_last} compile={t.compile} "
+              f"x{info.world_size} image_size={cfg.data.image_size} amp={parts.amp} channels_last={t.channels_last} "
+              f"compile={t.compile} "
               f"loader={t.loader} batch={parts.global_batch}{f' ({batch_note})' if batch_note else ''} "
               f"peak_lr={parts.schedule.peak_lr:.4g} images/epoch={parts.loader.sampler.n} "
               f"steps/epoch={parts.steps_per_epoch} threads={threads}", flush=True)
@@ -464,6 +465,7 @@ def _summary(cfg: VariantConfig, history: list[dict], init, info: DistInfo, amp:
         "images_per_epoch": cfg.train.images_per_epoch,
         "init": init.source if init.source == "random" else f"{init.source}:{init.location}",
         "init_sha256": init.sha256,
+        "image_size": cfg.data.image_size,
         "amp": amp,
         "math": math_mode(amp, info.device),
         "channels_last": cfg.train.channels_last,

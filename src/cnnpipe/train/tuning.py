@@ -8,14 +8,22 @@ different winner. Training reads it; without it the defaults below apply.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cnnpipe.config import VariantConfig
+from cnnpipe.config import DataConfig, VariantConfig
 from cnnpipe.files import read_yaml_mapping
 from cnnpipe.train.precision import resolve_amp
+
+GPU_IMAGE_SIZE = 224
+"""`data.image_size: auto` on a GPU: ResNet-50's own input size, upsampled on the device from the
+store. At the store's 32 px an H200 trains Fashion-MNIST launch-bound (~2 s an epoch, the GPU idle
+between kernels), which shows none of what the recipes differ in; at 224 px the input pipeline, AMP
+and channels_last decide the speed (on an H200: the batched loader 1.83x over per-sample PIL,
+channels_last 1.93x in bf16; docs/benchmarks.md)."""
 
 TUNABLE = ("amp", "channels_last", "loader", "num_workers", "pin_memory", "compile")
 
@@ -37,8 +45,16 @@ def read_tuned(path: Path | None) -> dict[str, Any]:
     return read_yaml_mapping(path, "expected a mapping of train keys to values; rerun `dvc repro profile`")
 
 
+def image_size_for(data: DataConfig, device: torch.device) -> int:
+    """`data.image_size`, with `auto` resolved: the stored size on a CPU, `GPU_IMAGE_SIZE` on a GPU."""
+    if data.image_size != "auto":
+        return data.image_size
+    return data.stored_size if device.type == "cpu" else max(data.stored_size, GPU_IMAGE_SIZE)
+
+
 def resolve_auto(cfg: VariantConfig, device: torch.device, tuned: dict[str, Any] | None = None) -> VariantConfig:
-    """`cfg` with every `auto` knob replaced: the tuned value when given, else the default.
+    """`cfg` with every `auto` knob replaced (and `data.image_size`): the tuned value when given,
+    else the default.
 
     `tuned["at_batch"][B]` holds values the profile measured to win at per-process batch B (one
     `train.min_steps` may halve to); they apply when `cfg` trains at B.
@@ -49,4 +65,5 @@ def resolve_auto(cfg: VariantConfig, device: torch.device, tuned: dict[str, Any]
     changes.update({k: v for k, v in at_batch.items() if k in changes})
     if "amp" in changes:
         changes["amp"] = resolve_amp(changes["amp"], device)
-    return cfg.with_train(**changes)
+    data = dataclasses.replace(cfg.data, image_size=image_size_for(cfg.data, device))
+    return dataclasses.replace(cfg.with_train(**changes), data=data)
