@@ -22,6 +22,10 @@ def main() -> int:
         print(f"prepare: {exc}", file=sys.stderr)
         return 2
     print(f"prepare: {report['splits']} ({report['num_bad']} bad files, {len(report['leakage'])} leaked duplicates)")
+    if report.get("changes"):
+        changes = report["changes"]
+        delta = ", ".join(f"{s} +{c['gained']}/-{c['lost']}" for s, c in changes["splits"].items())
+        print(f"prepare: against the previous store: {delta}; {changes['moved_between_splits']} moved between splits")
     return 0
 
 

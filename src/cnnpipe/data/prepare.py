@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing as mp
 import shutil
 from collections import defaultdict
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from cnnpipe.config import DataConfig
 from cnnpipe.data import idx
 from cnnpipe.data.decode import IMAGE_EXTENSIONS, Decoded, decode_file, is_hidden
-from cnnpipe.data.split import balanced_positions, stratified_split
+from cnnpipe.data.split import balanced_positions, content_split
 from cnnpipe.data.store import SPLITS, SplitWriter, write_index
 from cnnpipe.files import write_json
 
@@ -44,11 +45,13 @@ def _resize_batch(images: np.ndarray, size: int) -> np.ndarray:
 
 def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
                           search_dirs: tuple[Path, ...] = idx.SEARCH_DIRS) -> dict[str, Any]:
-    """Fashion-MNIST → train/val (stratified split of the 60k) and the official 10k test."""
+    """Fashion-MNIST → train/val (`content_split` of the 60k) and the official 10k test."""
     raw_dir = idx.locate(search_dirs)
     train_x, train_y = idx.load_split(raw_dir, "train")
     test_x, test_y = idx.load_split(raw_dir, "test")
-    keep, val = stratified_split(train_y, cfg.val_fraction, seed)
+    digests = [hashlib.sha256(image.tobytes()).hexdigest() for image in train_x]
+    names = content_split(digests, train_y, [("val", cfg.val_fraction)], seed)
+    keep, val = np.flatnonzero(names == "train"), np.flatnonzero(names == "val")
     keep = keep[balanced_positions(train_y[keep], cfg.max_train_images, seed)]
     val = val[balanced_positions(train_y[val], cfg.max_eval_images, seed)]
     test = balanced_positions(test_y, cfg.max_eval_images, seed)
@@ -131,28 +134,34 @@ def _refuse_flat_folder(directory: Path) -> None:
 
 def _assign_splits(tree: dict[str, dict[str, list[Path]]], predefined: bool, classes: list[str],
                    cfg: DataConfig, seed: int) -> dict[str, list[tuple[Path, int]]]:
-    """Items per split: predefined folders kept, missing splits carved out of train, stratified."""
+    """Items per split: predefined folders kept, missing splits carved out of train by content
+    (`content_split`: a new photo never moves an old one)."""
     label_of = {c: i for i, c in enumerate(classes)}
 
     def items(group: dict[str, list[Path]]) -> list[tuple[Path, int]]:
         return [(f, label_of[c]) for c in sorted(group) if c in label_of for f in group[c]]
 
     pool = items(tree["train" if predefined else "all"])
-    splits: dict[str, list[tuple[Path, int]]] = {}
-    for split, fraction in (("test", cfg.test_fraction), ("val", cfg.val_fraction)):
-        if predefined and split in tree:
-            splits[split] = items(tree[split])
-        else:
-            labels = np.array([label for _, label in pool], dtype=int)
-            keep, held = stratified_split(labels, fraction, seed)
-            splits[split] = [pool[i] for i in held]
-            pool = [pool[i] for i in keep]
-    splits["train"] = pool
+    splits = {s: items(tree[s]) for s in ("test", "val") if predefined and s in tree}
+    carved = [(s, f) for s, f in (("test", cfg.test_fraction), ("val", cfg.val_fraction)) if s not in splits]
+    names = content_split([_file_digest(p) for p, _ in pool], np.array([label for _, label in pool], dtype=int),
+                          carved, seed) if carved else np.full(len(pool), "train", dtype=object)
+    for split in ("train", *(s for s, _ in carved)):
+        splits[split] = [item for item, name in zip(pool, names) if name == split]
     caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
     for split, cap in caps.items():
         labels = np.array([label for _, label in splits[split]], dtype=int)
         splits[split] = [splits[split][i] for i in balanced_positions(labels, cap, seed)]
     return splits
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of the file's bytes (the digest `decode_file` records); of its path when unreadable, so
+    the split stays a pure function of the tree and decoding reports the file."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return hashlib.sha256(str(path).encode()).hexdigest()
 
 
 def _leakage(hashes: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
@@ -227,6 +236,31 @@ def prepare_image_folder(cfg: DataConfig, seed: int, out_dir: Path, root: Path) 
 
 
 # --------------------------------------------------------------------------- entry point
+def _members(store: Path) -> dict[str, set[str]]:
+    """{split: content hashes} of a prepared store (empty when there is none)."""
+    out: dict[str, set[str]] = {}
+    for split in SPLITS:
+        meta = store / f"{split}_meta.jsonl"
+        if meta.exists():
+            with open(meta, encoding="utf-8") as fh:
+                out[split] = {json.loads(line)["sha256"] for line in fh}
+    return out
+
+
+def split_changes(previous: Path, current: Path) -> dict[str, Any] | None:
+    """Images each split gained and lost against the previous store, and how many images present in
+    both changed split (0 unless the seed, the fractions or the caps changed); None without one."""
+    before, after = _members(previous), _members(current)
+    if not before:
+        return None
+    where = {d: s for s, digests in before.items() for d in digests}
+    moved = sum(1 for s, digests in after.items() for d in digests if where.get(d, s) != s)
+    return {"splits": {s: {"gained": len(after.get(s, set()) - before.get(s, set())),
+                           "lost": len(before.get(s, set()) - after.get(s, set()))} for s in SPLITS},
+            "moved_between_splits": moved}
+
+
+
 def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path) -> dict[str, Any]:
     """Write the prepared data set to `out_dir` and the data report to `report_path`.
 
@@ -249,6 +283,7 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path) -> dic
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
+    report["changes"] = split_changes(out_dir, new)
     if out_dir.exists():
         out_dir.rename(old)
     new.rename(out_dir)

@@ -1,11 +1,15 @@
-"""Class-balanced splits and subsets, drawn reproducibly from a seed.
+"""Splits and class-balanced subsets, drawn reproducibly from a seed.
 
-`prepare` holds out validation and test with `stratified_split` and caps each split with
-`balanced_positions`; training's validation subset and export's parity subset under a budget use
-the same rule through `balanced_subset`.
+`prepare` holds out validation and test with `content_split`: an image's split is a function of
+its content hash and the seed alone, so a catalog that gains or loses images keeps every other
+image where it was. It caps each split with `balanced_positions`; training's validation subset
+and export's parity subset under a budget use the same rule through `balanced_subset`.
 """
 
 from __future__ import annotations
+
+import hashlib
+from typing import Sequence
 
 import numpy as np
 from sklearn.model_selection import train_test_split
@@ -35,6 +39,37 @@ def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np
     except ValueError:  # too few samples for a stratified split: plain shuffle split
         keep, held = train_test_split(pool, test_size=n_held, random_state=seed)
     return np.sort(np.concatenate([fixed, keep])), np.sort(held)
+
+
+def hashed_unit(digest: str, seed: int) -> float:
+    """A number in [0, 1) fixed by an image's content hash (hex sha256) and the seed."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{digest}".encode()).digest()[:8], "big") / 2**64
+
+
+def content_split(digests: Sequence[str], labels: np.ndarray, held_out: Sequence[tuple[str, float]],
+                  seed: int) -> np.ndarray:
+    """Each item's split name: `held_out` is [(name, fraction), ...], cut in that order from [0, 1) by
+    the item's `hashed_unit`; the rest is "train".
+
+    Every class is cut by the same thresholds, so its proportions hold in expectation, and adding or
+    removing images never moves another one. Small sets are the exception: a class of three or more
+    images that the hash leaves without a member in a held-out split lends it its lowest-hash
+    training image, which may return to train once the class gains a member of its own.
+    """
+    labels = np.asarray(labels)
+    units = np.array([hashed_unit(d, seed) for d in digests])
+    names = np.full(len(units), "train", dtype=object)
+    low = 0.0
+    for name, fraction in held_out:
+        names[(units >= low) & (units < low + fraction)] = name
+        low += fraction
+    for name, _ in held_out:
+        for label in np.unique(labels):
+            members = np.flatnonzero(labels == label)
+            train = members[names[members] == "train"]
+            if len(members) >= 3 and not (names[members] == name).any() and len(train) >= 2:
+                names[train[np.argmin(units[train])]] = name
+    return names
 
 
 def balanced_positions(labels: np.ndarray, cap: int | None, seed: int) -> np.ndarray:
