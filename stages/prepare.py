@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from cnnpipe.data.idx import DatasetMissing
+from cnnpipe.data.ingest import PrepareInterrupted
 from cnnpipe.data.prepare import DataError, prepare
 from cnnpipe.params import ParamsError, data_config, load_params
 
@@ -18,10 +19,15 @@ def main() -> int:
     try:
         raw = load_params(args.params)
         report = prepare(data_config(raw), raw.get("seed", 0), Path(args.out), Path(args.report))
-    except (ParamsError, DataError, DatasetMissing) as exc:
+    except (ParamsError, DataError, DatasetMissing, PrepareInterrupted) as exc:
         print(f"prepare: {exc}", file=sys.stderr)
         return 2
     print(f"prepare: {report['splits']} ({report['num_bad']} bad files, {len(report['leakage'])} leaked duplicates)")
+    if report.get("work"):
+        work = report["work"]
+        print(f"prepare: {work['listed']} images listed: {work['decoded']} decoded, {work['copied']} copied from the "
+              f"previous store ({work['unchanged_not_read']} unchanged files not read), {work['resumed']} kept from "
+              f"an interrupted run; {work['workers']} worker(s)")
     if report.get("changes"):
         changes = report["changes"]
         delta = ", ".join(f"{s} +{c['gained']}/-{c['lost']}" for s, c in changes["splits"].items())

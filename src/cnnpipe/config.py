@@ -44,8 +44,8 @@ class DataConfig:
     """Images with more pixels are rejected as decompression bombs (PIL's own default)."""
     on_bad_image: Literal["skip", "fail"] = "skip"
     """`skip` lists broken files in metrics/data_report.json; `fail` stops the stage."""
-    prepare_workers: int = 2
-    """Decoder processes used by `prepare` for ImageFolder trees."""
+    prepare_workers: int | Literal["auto"] = "auto"
+    """Decoder processes used by `prepare` for image files; `auto`: the CPUs this process may use."""
 
     def __post_init__(self) -> None:
         for key in ("image_size", "stored_size"):
@@ -61,8 +61,8 @@ class DataConfig:
                 reject(f"data.{key}", value, "null (all) or an integer >= 10")
         if self.max_pixels < 64:
             reject("data.max_pixels", self.max_pixels, "an integer >= 64")
-        if self.prepare_workers < 1:
-            reject("data.prepare_workers", self.prepare_workers, "an integer >= 1")
+        if self.prepare_workers != "auto" and not (isinstance(self.prepare_workers, int) and self.prepare_workers >= 1):
+            reject("data.prepare_workers", self.prepare_workers, "an integer >= 1 or `auto`")
 
 
 @dataclass(frozen=True)

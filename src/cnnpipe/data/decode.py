@@ -14,12 +14,17 @@ Rules (documented in the README):
 from __future__ import annotations
 
 import hashlib
+import io
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+# Names the decoding rules above. A prepared store records it, and `prepare` copies images from the
+# previous store only when it matches: change it whenever a change here changes the pixels.
+TRANSFORM = "exif-rgb-white-shortside-bicubic-centre-v1"
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 
@@ -80,19 +85,27 @@ def decode_file(path: str | Path, size: int, max_pixels: int) -> Decoded:
         data = Path(path).read_bytes()
     except OSError as exc:
         return Decoded(path, "", None, f"unreadable: {exc.strerror or exc}")
-    digest = hashlib.sha256(data).hexdigest()
+    return decode_bytes(data, path, size, max_pixels)
+
+
+def decode_bytes(data: bytes, path: str, size: int, max_pixels: int,
+                 digest: str | None = None) -> Decoded:
+    """`decode_file` on bytes already read (prepare reads each file once, to hash and to decode)."""
+    digest = digest or hashlib.sha256(data).hexdigest()
     if not data:
         return Decoded(path, digest, None, "empty file (0 bytes)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PIL's EXIF/metadata warnings are not our business
-            with Image.open(path) as img:
+            with Image.open(io.BytesIO(data)) as img:
                 w, h = img.size
                 if w * h > max_pixels:
                     return Decoded(path, digest, None,
                                    f"decompression bomb: {w}x{h} = {w * h} pixels > data.max_pixels={max_pixels}")
                 if img.format == "JPEG":
-                    img.draft("RGB", (size * 2, size * 2))  # decode at reduced scale: far faster
+                    # Decode at the smallest DCT scale that keeps twice the stored size (Pillow's own
+                    # reducing_gap=2 rule): several times faster, and the bicubic resize still antialiases.
+                    img.draft("RGB", (size * 2, size * 2))
                 img.seek(0)  # GIF/TIFF: first frame
                 img.load()
                 img = ImageOps.exif_transpose(img)

@@ -4,35 +4,32 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import shutil
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from cnnpipe.config import DataConfig
 from cnnpipe.data import idx
-from cnnpipe.data.decode import IMAGE_EXTENSIONS, Decoded, decode_file, is_hidden
+from cnnpipe.data.catalog import DataError, Listing, list_source
+from cnnpipe.data.ingest import RECIPE_FILE, Journal, PreviousStore, ingest, recipe, usable_cores
 from cnnpipe.data.split import balanced_positions, content_split
 from cnnpipe.data.store import SPLITS, SplitWriter, write_index
 from cnnpipe.files import write_json
 
-SPLIT_ALIASES = {"train": "train", "val": "val", "validation": "val", "valid": "val", "test": "test"}
-
-
-class DataError(ValueError):
-    """The input data cannot make a usable data set; the message says what to fix."""
+__all__ = ["DataError", "prepare", "prepare_fashion_mnist", "split_changes"]
 
 
 # --------------------------------------------------------------------------- Fashion-MNIST
 def _resize_batch(images: np.ndarray, size: int) -> np.ndarray:
     """(N, H, W) uint8 → (N, size, size, 1) uint8 with antialiased bilinear resizing."""
+    import torch  # here, not at the top: image-file catalogs need no torch (a lean main process)
+    import torch.nn.functional as F
+
     if images.shape[1] == size and images.shape[2] == size:
         return images[..., None].copy()
     out = np.empty((len(images), size, size, 1), dtype=np.uint8)
@@ -87,81 +84,24 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
     }
 
 
-# --------------------------------------------------------------------------- ImageFolder
-def _class_files(class_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(image files, ignored non-image files) under one class folder, recursively, sorted."""
-    images, ignored = [], []
-    for path in sorted(p for p in class_dir.rglob("*") if p.is_file() or p.is_symlink()):
-        if is_hidden(path, class_dir):
-            continue
-        (images if path.suffix.lower() in IMAGE_EXTENSIONS else ignored).append(path)
-    return images, ignored
-
-
-def scan_tree(root: Path) -> tuple[dict[str, dict[str, list[Path]]], list[Path], bool]:
-    """Find class folders; returns ({split or 'all': {class: files}}, ignored files, predefined)."""
-    if not root.is_dir():
-        raise DataError(f"data.source: {root} is not a directory; give `fashion-mnist` or an ImageFolder tree")
-    subdirs = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")}
-    split_dirs = {SPLIT_ALIASES[n.lower()]: p for n, p in subdirs.items() if n.lower() in SPLIT_ALIASES}
-    predefined = "train" in split_dirs
-    groups = split_dirs if predefined else {"all": root}
-    tree: dict[str, dict[str, list[Path]]] = {}
-    ignored: list[Path] = []
-    for split, directory in groups.items():
-        _refuse_flat_folder(directory)
-        tree[split] = {}
-        for class_dir in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            files, skipped = _class_files(class_dir)
-            tree[split][class_dir.name] = files
-            ignored += skipped
-        ignored += [p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")]
-    return tree, sorted(ignored), predefined
-
-
-def _refuse_flat_folder(directory: Path) -> None:
-    """A folder of images with no class folders (ImageNet's val/, most catalog exports) would be
-    read as an empty split: validation top-1 0 every epoch, best.pt stuck at the first epoch."""
-    entries = [p for p in directory.iterdir() if not p.name.startswith(".")]
-    if any(p.is_dir() for p in entries):
-        return
-    images = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS]
-    if images:
-        raise DataError(f"data.source: {directory} holds {len(images)} image file(s) but no class folders, so "
-                        f"their labels are unknown. Move each image into a subfolder named after its class "
-                        f"({directory}/<class>/{images[0].name}), or leave this folder out of data.source")
-
-
-def _assign_splits(tree: dict[str, dict[str, list[Path]]], predefined: bool, classes: list[str],
-                   cfg: DataConfig, seed: int) -> dict[str, list[tuple[Path, int]]]:
-    """Items per split: predefined folders kept, missing splits carved out of train by content
-    (`content_split`: a new photo never moves an old one)."""
-    label_of = {c: i for i, c in enumerate(classes)}
-
-    def items(group: dict[str, list[Path]]) -> list[tuple[Path, int]]:
-        return [(f, label_of[c]) for c in sorted(group) if c in label_of for f in group[c]]
-
-    pool = items(tree["train" if predefined else "all"])
-    splits = {s: items(tree[s]) for s in ("test", "val") if predefined and s in tree}
-    carved = [(s, f) for s, f in (("test", cfg.test_fraction), ("val", cfg.val_fraction)) if s not in splits]
-    names = content_split([_file_digest(p) for p, _ in pool], np.array([label for _, label in pool], dtype=int),
-                          carved, seed) if carved else np.full(len(pool), "train", dtype=object)
-    for split in ("train", *(s for s, _ in carved)):
-        splits[split] = [item for item, name in zip(pool, names) if name == split]
+# --------------------------------------------------------------------------- ImageFolder trees, manifests
+def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, digests: np.ndarray,
+                   cfg: DataConfig, seed: int) -> dict[str, np.ndarray]:
+    """Positions per split: the source's own splits kept, missing ones carved out of train by content
+    (`content_split`: a new photo never moves an old one); unusable images take no part."""
+    given = np.array([e.split or "train" for e in listing.entries], dtype=object)
+    carved = [(s, f) for s, f in (("test", cfg.test_fraction), ("val", cfg.val_fraction))
+              if s not in listing.given_splits]
+    pool = np.flatnonzero(usable & (given == "train"))
+    names = given.copy()
+    if carved and len(pool):
+        names[pool] = content_split([d.hex() for d in digests[pool]], labels[pool], carved, seed)
     caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
+    splits = {}
     for split, cap in caps.items():
-        labels = np.array([label for _, label in splits[split]], dtype=int)
-        splits[split] = [splits[split][i] for i in balanced_positions(labels, cap, seed)]
+        members = np.flatnonzero(usable & (names == split))
+        splits[split] = members[balanced_positions(labels[members], cap, seed)]
     return splits
-
-
-def _file_digest(path: Path) -> str:
-    """sha256 of the file's bytes (the digest `decode_file` records); of its path when unreadable, so
-    the split stays a pure function of the tree and decoding reports the file."""
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return hashlib.sha256(str(path).encode()).hexdigest()
 
 
 def _leakage(hashes: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
@@ -174,64 +114,82 @@ def _leakage(hashes: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
             for d, s in sorted(where.items()) if len(s) > 1]
 
 
-def _decode_all(paths: list[Path], cfg: DataConfig, desc: str) -> Iterable[Decoded]:
-    """Decode in `data.prepare_workers` processes, in input order (so output is deterministic)."""
-    work = partial(decode_file, size=cfg.stored_size, max_pixels=cfg.max_pixels)
-    bar = partial(tqdm, total=len(paths), desc=desc, unit="img", disable=None, mininterval=2.0)
-    if cfg.prepare_workers == 1 or len(paths) < 64:
-        yield from bar(map(work, paths))
-        return
-    with mp.get_context("spawn").Pool(cfg.prepare_workers) as pool:
-        yield from bar(pool.imap(work, paths, chunksize=32))
+def _workers(cfg: DataConfig) -> int:
+    return usable_cores() if cfg.prepare_workers == "auto" else int(cfg.prepare_workers)
 
 
-def prepare_image_folder(cfg: DataConfig, seed: int, out_dir: Path, root: Path) -> dict[str, Any]:
-    """Ingest an ImageFolder tree; broken files are skipped and listed (or fail the stage)."""
-    tree, ignored, predefined = scan_tree(root)
-    all_classes = sorted({c for group in tree.values() for c in group})
-    empty = sorted(c for c in all_classes if not any(group.get(c) for group in tree.values()))
-    classes = [c for c in all_classes if c not in empty]
-    if len(classes) < 2:
-        raise DataError(f"data.source: {root} has {len(classes)} usable class folder(s) "
-                        f"({', '.join(classes) or 'none'}); need at least two (one folder per class)")
-    splits = _assign_splits(tree, predefined, classes, cfg, seed)
-    bad: list[dict[str, str]] = []
-    counts: dict[str, list[int]] = {}
-    hashes: dict[str, dict[str, str]] = {}
-    for split in SPLITS:
-        writer = SplitWriter(out_dir, split, cfg.stored_size, channels=3)
-        split_hashes: dict[str, str] = {}
-        for (path, label), result in zip(splits[split], _decode_all([p for p, _ in splits[split]], cfg, split)):
-            rel = str(path.relative_to(root))
-            if result.image is None:
-                bad.append({"path": rel, "split": split, "reason": str(result.reason)})
-                continue
-            writer.add(result.image, label, rel, result.sha256)
-            split_hashes.setdefault(result.sha256, rel)
-        writer.close()
-        counts[split] = np.bincount(np.asarray(writer.labels, dtype=int), minlength=len(classes)).tolist()
-        hashes[split] = split_hashes
-    if bad and cfg.on_bad_image == "fail":
-        listing = "\n".join(f"  {b['path']}: {b['reason']}" for b in bad[:50])
-        raise DataError(f"{len(bad)} unusable image(s) under {root} and data.on_bad_image=fail:\n{listing}\n"
-                        "Fix or remove them, or set data.on_bad_image: skip to list them and go on.")
+def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, work: Path) -> dict[str, Any]:
+    """Ingest an ImageFolder tree or a manifest into `out_dir`, copying what `previous` already holds
+    and resuming what an interrupted run left in `work`. Broken files are skipped and listed (or
+    fail the stage)."""
+    listing = list_source(cfg.source)
+    root = listing.root
+    all_classes = sorted({e.label for e in listing.entries})
+    wanted = recipe(cfg.stored_size, cfg.max_pixels)
+    journal, old = Journal(work, wanted), PreviousStore(previous, wanted)
+    try:
+        progress = partial(tqdm, desc="prepare", unit="img", disable=None, mininterval=2.0)
+        got = ingest(root, listing.entries, _workers(cfg), cfg.stored_size, cfg.max_pixels, old, journal, progress)
+        label_of = {c: i for i, c in enumerate(all_classes)}
+        all_labels = np.array([label_of[e.label] for e in listing.entries], dtype=np.int64)
+        usable = np.ones(len(listing.entries), dtype=bool)
+        usable[list(got.reasons)] = False
+        bad = [{"path": listing.entries[i].path, "split": listing.entries[i].split or "assigned by prepare",
+                "reason": r} for i, r in sorted(got.reasons.items())]
+        if bad and cfg.on_bad_image == "fail":
+            shown = "\n".join(f"  {b['path']}: {b['reason']}" for b in bad[:50])
+            raise DataError(f"{len(bad)} unusable image(s) under {root} and data.on_bad_image=fail:\n{shown}\n"
+                            "Fix or remove them, or set data.on_bad_image: skip to list them and go on.")
+        present = np.bincount(all_labels[usable], minlength=len(all_classes))
+        classes = [c for c, n in zip(all_classes, present) if n]
+        if len(classes) < 2:
+            raise DataError(f"data.source: {root} has {len(classes)} class(es) with usable images "
+                            f"({', '.join(classes) or 'none'}); need at least two (one folder, or label, per class)")
+        relabel = np.cumsum(present > 0) - 1  # drop classes without a usable image, keep the order
+        labels = relabel[all_labels]
+        splits = _assign_splits(listing, labels, usable, got.digests, cfg, seed)
+        counts: dict[str, list[int]] = {}
+        hashes: dict[str, dict[str, str]] = {}
+        copied = 0
+        for split in SPLITS:
+            writer = SplitWriter(out_dir, split, cfg.stored_size, channels=3)
+            split_hashes: dict[str, str] = {}
+            for i in splits[split]:
+                entry, digest, row = listing.entries[i], bytes(got.digests[i]), int(got.rows[i])
+                if row >= 0:
+                    image = journal.pixels(row)
+                else:
+                    image = old.pixels(*old.find(digest))
+                    copied += 1
+                writer.add(image, int(labels[i]), entry.path, digest.hex(),
+                           extra={"size": entry.size, "mtime_ns": entry.mtime_ns})
+                split_hashes.setdefault(digest.hex(), entry.path)
+            writer.close()
+            counts[split] = np.bincount(labels[splits[split]], minlength=len(classes)).tolist()
+            hashes[split] = split_hashes
+    finally:
+        journal.close()
     no_train = [classes[i] for i, n in enumerate(counts["train"]) if n == 0]
     if len(classes) - len(no_train) < 2:
         raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
                         f"(without any: {', '.join(no_train)}); see metrics/data_report.json")
-    index = write_index(out_dir, classes, cfg.stored_size, 3, counts, f"imagefolder:{root}",
-                        carved=[s for s in ("val", "test") if not (predefined and s in tree)])
+    (out_dir / RECIPE_FILE).write_text(json.dumps(wanted))
+    index = write_index(out_dir, classes, cfg.stored_size, 3, counts, f"{listing.kind}:{cfg.source}",
+                        carved=[s for s in ("val", "test") if s not in listing.given_splits])
     return {
-        "source": str(root),
-        "predefined_splits": predefined,
+        "source": str(cfg.source),
+        "predefined_splits": bool(listing.given_splits),
         "splits": {s: v["count"] for s, v in index["splits"].items()},
         "classes": classes,
-        "empty_classes": empty,
+        "empty_classes": sorted(set(listing.empty_classes) | (set(all_classes) - set(classes))),
         "classes_without_train_images": no_train,
-        "ignored_files": [str(p.relative_to(root)) for p in ignored],
+        "ignored_files": listing.ignored,
         "bad_files": bad,
         "num_bad": len(bad),
         "leakage": _leakage(hashes),
+        "work": {"listed": len(listing.entries), "decoded": got.counts["decoded"], "copied": copied,
+                 "read": got.counts["read"], "unchanged_not_read": got.counts["unchanged"],
+                 "resumed": got.counts["resumed"], "workers": _workers(cfg)},
     }
 
 
@@ -267,10 +225,12 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path) -> dic
     The new store is written beside the old one (`<out_dir>.new`) and swapped in by renames, so no
     file of the old store is ever rewritten: a trainer that has it memory-mapped (a shared
     filesystem, a hardlinked DVC cache) keeps reading the old version, and a failed prepare leaves
-    the old store as it was.
+    the old store as it was. Images are copied from the old store when they can be, and decoded
+    ones are journalled in `<out_dir>.work` until the swap, so a killed run resumes (`ingest`).
     """
     out_dir, report_path = Path(out_dir), Path(report_path)
-    new, old = out_dir.with_name(out_dir.name + ".new"), out_dir.with_name(out_dir.name + ".old")
+    new, old = (out_dir.with_name(out_dir.name + suffix) for suffix in (".new", ".old"))
+    work = out_dir.with_name(out_dir.name + ".work")
     for leftover in (new, old):
         if leftover.exists():
             shutil.rmtree(leftover)
@@ -279,7 +239,7 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path) -> dic
         if cfg.source == "fashion-mnist":
             report = prepare_fashion_mnist(cfg, seed, new)
         else:
-            report = prepare_image_folder(cfg, seed, new, Path(cfg.source).expanduser())
+            report = prepare_catalog(cfg, seed, new, previous=out_dir, work=work)
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
@@ -288,5 +248,6 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path) -> dic
         out_dir.rename(old)
     new.rename(out_dir)
     shutil.rmtree(old, ignore_errors=True)  # unlinks only: open maps of the old files stay valid
+    shutil.rmtree(work, ignore_errors=True)
     write_json(report_path, report)
     return report

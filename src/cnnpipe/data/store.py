@@ -5,7 +5,9 @@ Layout of a prepared directory::
     index.json            classes, channels, size, per-split counts (the contract readers check)
     <split>.u8            raw uint8 pixels, shape (count, size, size, channels), row-major
     <split>_labels.npy    int64 labels
-    <split>_meta.jsonl    one line per image: source path and sha256 of the source bytes
+    <split>_meta.jsonl    one line per image: source path and sha256 of the source bytes (and, for
+                          image files, their size and mtime: unchanged files are not read again)
+    recipe.json           the decoding rules and size (image files only): which stores can share pixels
 
 Raw files rather than .npy so that a split can be written streaming, one image at a time, without
 knowing in advance how many of the candidate files will decode: memory stays flat.
@@ -35,13 +37,14 @@ class SplitWriter:
         self._meta = open(out_dir / f"{split}_meta.jsonl", "w", encoding="utf-8")
         self.labels: list[int] = []
 
-    def add(self, image: np.ndarray, label: int, source: str, sha256: str) -> None:
-        """Append one (size, size, channels) uint8 image."""
+    def add(self, image: np.ndarray, label: int, source: str, sha256: str,
+            extra: dict[str, Any] | None = None) -> None:
+        """Append one (size, size, channels) uint8 image; `extra` goes into its meta line."""
         expected = (self.size, self.size, self.channels)
         if image.shape != expected or image.dtype != np.uint8:
             raise ValueError(f"{source}: got {image.shape} {image.dtype}, expected {expected} uint8")
         self._pixels.write(np.ascontiguousarray(image).tobytes())
-        self._meta.write(json.dumps({"source": source, "sha256": sha256}, ensure_ascii=False) + "\n")
+        self._meta.write(json.dumps({"source": source, "sha256": sha256, **(extra or {})}, ensure_ascii=False) + "\n")
         self.labels.append(int(label))
 
     def close(self) -> int:

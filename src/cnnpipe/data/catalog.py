@@ -1,0 +1,184 @@
+"""What a catalog holds: the image files of an ImageFolder tree or a CSV/TSV manifest, as a listing.
+
+A listing is one `Entry` per image, with the size and modification time read from the directory
+scan (or one `stat` per manifest row), so `prepare` can tell unchanged files without reading them.
+Entries are plain tuples of str and int: at millions of images, Path objects and dicts would cost
+several times the memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+from cnnpipe.data.decode import IMAGE_EXTENSIONS
+
+SPLIT_ALIASES = {"train": "train", "val": "val", "validation": "val", "valid": "val", "test": "test"}
+MANIFEST_SUFFIXES = {".csv": ",", ".tsv": "\t"}
+MAX_LISTED_ERRORS = 20
+
+
+class DataError(ValueError):
+    """The input data cannot make a usable data set; the message says what to fix."""
+
+
+class Entry(NamedTuple):
+    """One image of the catalog: `path` relative to the listing's root, its class name, the split the
+    source gives it (None: `prepare` assigns one), and the file's size and mtime (ns)."""
+
+    path: str
+    label: str
+    split: str | None
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class Listing:
+    """Every image of a source, in a fixed order (sorted by split, class, path), plus what was skipped."""
+
+    root: Path
+    entries: list[Entry]
+    ignored: list[str] = field(default_factory=list)
+    kind: str = "imagefolder"
+    empty_classes: list[str] = field(default_factory=list)  # class folders without an image file
+
+    @property
+    def given_splits(self) -> set[str]:
+        """The splits the source names itself (split folders, or a manifest's split column)."""
+        return {e.split for e in self.entries if e.split is not None}
+
+
+def list_source(source: str | Path) -> Listing:
+    """The listing of an ImageFolder tree or of a `.csv`/`.tsv` manifest."""
+    path = Path(source).expanduser()
+    if path.suffix.lower() in MANIFEST_SUFFIXES:
+        return read_manifest(path)
+    return list_folder(path)
+
+
+# --------------------------------------------------------------------------- folders
+def _walk(directory: str) -> Iterator[os.DirEntry]:
+    """Files below `directory`, depth first in name order, skipping dot-files and dot-folders."""
+    with os.scandir(directory) as it:
+        children = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    for child in children:
+        if child.is_dir():
+            yield from _walk(child.path)
+        elif child.is_file():
+            yield child
+
+
+def _class_entries(class_dir: Path, root: Path, label: str, split: str | None,
+                   ignored: list[str]) -> Iterator[Entry]:
+    for item in _walk(str(class_dir)):
+        rel = os.path.relpath(item.path, root)
+        if os.path.splitext(item.name)[1].lower() not in IMAGE_EXTENSIONS:
+            ignored.append(rel)
+            continue
+        st = item.stat()
+        yield Entry(rel, label, split, st.st_size, st.st_mtime_ns)
+
+
+def list_folder(root: Path) -> Listing:
+    """Class folders under `root`, or under its train/ val/ test/ folders when it has a train/."""
+    if not root.is_dir():
+        raise DataError(f"data.source: {root} is neither a directory nor a .csv/.tsv manifest; give "
+                        "`fashion-mnist`, an ImageFolder tree (one folder per class) or a manifest")
+    subdirs = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")}
+    split_dirs = {SPLIT_ALIASES[n.lower()]: p for n, p in subdirs.items() if n.lower() in SPLIT_ALIASES}
+    groups: dict[str | None, Path] = dict(split_dirs) if "train" in split_dirs else {None: root}
+    entries: list[Entry] = []
+    ignored: list[str] = []
+    folders: set[str] = set()
+    for split, directory in groups.items():
+        refuse_flat_folder(directory)
+        for class_dir in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            folders.add(class_dir.name)
+            entries.extend(_class_entries(class_dir, root, class_dir.name, split, ignored))
+        ignored += [os.path.relpath(p, root) for p in sorted(directory.iterdir())
+                    if p.is_file() and not p.name.startswith(".")]
+    empty = sorted(folders - {e.label for e in entries})
+    return Listing(root, entries, sorted(ignored), empty_classes=empty)
+
+
+def refuse_flat_folder(directory: Path) -> None:
+    """A folder of images with no class folders (ImageNet's val/, most catalog exports) would be
+    read as an empty split: validation top-1 0 every epoch, best.pt stuck at the first epoch."""
+    entries = [p for p in directory.iterdir() if not p.name.startswith(".")]
+    if any(p.is_dir() for p in entries):
+        return
+    images = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS]
+    if images:
+        raise DataError(
+            f"data.source: {directory} holds {len(images)} image file(s) but no class folders, so their "
+            f"labels are unknown. Either move each image into a subfolder named after its class "
+            f"({directory}/<class>/{images[0].name}), or list them in a manifest (a .csv with the columns "
+            f"path,label[,split], paths relative to the manifest) and set data.source to that file")
+
+
+# --------------------------------------------------------------------------- manifests
+def _rows(path: Path, delimiter: str) -> Iterator[tuple[int, list[str]]]:
+    """(line number, cells) of every non-blank row; a header row `path,label[,split]` is skipped."""
+    with open(path, newline="", encoding="utf-8-sig") as fh:
+        for number, row in enumerate(csv.reader(fh, delimiter=delimiter), start=1):
+            cells = [c.strip() for c in row]
+            if not any(cells):
+                continue
+            if number == 1 and [c.lower() for c in cells[:2]] == ["path", "label"]:
+                continue
+            yield number, cells
+
+
+def read_manifest(path: Path) -> Listing:
+    """Rows `path,label[,split]` (comma for .csv, tab for .tsv; paths relative to the manifest).
+
+    Every row is checked before anything is decoded; all problems are reported at once, each with
+    its line and reason. An empty split cell leaves the row to `prepare`, as a train row.
+    """
+    if not path.is_file():
+        raise DataError(f"data.source: manifest {path} not found")
+    root = path.parent
+    entries: list[Entry] = []
+    errors: list[str] = []
+    seen: dict[str, int] = {}
+    for number, cells in _rows(path, MANIFEST_SUFFIXES[path.suffix.lower()]):
+        where = f"{path}:{number}"
+        if len(cells) not in (2, 3):
+            errors.append(f"{where}: {len(cells)} columns; expected path,label[,split]")
+            continue
+        rel, label, split = cells[0], cells[1], (cells[2] if len(cells) == 3 else "")
+        if not rel:
+            errors.append(f"{where}: empty path")
+            continue
+        if not label:
+            errors.append(f"{where}: {rel}: empty label")
+            continue
+        if split and split.lower() not in SPLIT_ALIASES:
+            errors.append(f"{where}: {rel}: unknown split {split!r}; use train, val or test (or leave it empty)")
+            continue
+        if os.path.splitext(rel)[1].lower() not in IMAGE_EXTENSIONS:
+            errors.append(f"{where}: {rel}: not an image file name ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+            continue
+        if rel in seen:
+            errors.append(f"{where}: {rel}: listed again (first at line {seen[rel]})")
+            continue
+        seen[rel] = number
+        try:
+            st = os.stat(root / rel)
+        except OSError:
+            errors.append(f"{where}: {rel}: file not found under {root}")
+            continue
+        entries.append(Entry(rel, label, SPLIT_ALIASES[split.lower()] if split else None, st.st_size, st.st_mtime_ns))
+    if errors:
+        shown = "\n".join(f"  {e}" for e in errors[:MAX_LISTED_ERRORS])
+        more = f"\n  ... and {len(errors) - MAX_LISTED_ERRORS} more" if len(errors) > MAX_LISTED_ERRORS else ""
+        raise DataError(f"data.source: {len(errors)} bad row(s) in manifest {path}; fix them and rerun:\n{shown}{more}")
+    if not entries:
+        raise DataError(f"data.source: manifest {path} lists no images (rows: path,label[,split])")
+    order = {None: 0, "train": 0, "val": 1, "test": 2}
+    entries.sort(key=lambda e: (order[e.split], e.label, e.path))
+    return Listing(root, entries, kind="manifest")

@@ -1,0 +1,317 @@
+"""Reading a catalog's images once each, in parallel, restartably, copying what the last store has.
+
+`prepare` asks `ingest` for every listed image's content hash and pixels. Three places can answer
+before any decoding:
+
+- the **previous store** (`PreviousStore`): an image with the same path, size and mtime as one it
+  holds, or (after one read to hash it) the same sha256, is copied from it, not decoded, as long as
+  the store was made by the same decoding rules at the same size (`recipe`);
+- the **journal** of an interrupted run (`Journal`, in `<store>.work/`): what it decoded is kept,
+  so a killed `prepare` continues where it stopped;
+- only the rest is read and decoded, each file read once, by `data.prepare_workers` processes, with
+  a bounded number of images in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from cnnpipe.data.catalog import Entry
+from cnnpipe.data.decode import TRANSFORM, decode_bytes
+from cnnpipe.data.store import SPLITS, open_split
+
+RECIPE_FILE = "recipe.json"
+CHUNK = 16              # images per task: amortises the inter-process round trip
+CHUNKS_PER_WORKER = 4   # tasks in flight per worker: bounds decoded images held in memory
+CHANNELS = 3
+
+
+class PrepareInterrupted(RuntimeError):
+    """A decoding worker died; what was decoded so far is kept for the next run."""
+
+
+def recipe(size: int, max_pixels: int) -> dict[str, Any]:
+    """What makes two stores' pixels interchangeable."""
+    return {"transform": TRANSFORM, "size": size, "channels": CHANNELS, "max_pixels": max_pixels}
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (a container's or `taskset`'s limit, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def stat_key(path: str, size: int, mtime_ns: int) -> int:
+    """64-bit key of a file's path, size and mtime: equal keys mean an unchanged file."""
+    return int.from_bytes(hashlib.blake2b(f"{path}\0{size}\0{mtime_ns}".encode(), digest_size=8).digest(), "big")
+
+
+def _prefix(digest: bytes) -> np.uint64:
+    return np.frombuffer(digest[:8], dtype=">u8")[0].astype(np.uint64)
+
+
+# --------------------------------------------------------------------------- the previous store
+class PreviousStore:
+    """The images of the store being replaced, found by content hash or by unchanged file stats.
+
+    Lookups are sorted numpy arrays (40 bytes an image), not dicts: at 10M images a dict of hashes
+    alone would take gigabytes.
+    """
+
+    def __init__(self, store: Path, wanted: dict[str, Any]) -> None:
+        self.store = store
+        digests, splits, rows, keys = [], [], [], []
+        usable = (store / RECIPE_FILE).exists() and json.loads((store / RECIPE_FILE).read_text()) == wanted
+        for code, split in enumerate(SPLITS):
+            meta = store / f"{split}_meta.jsonl"
+            if not (usable and meta.exists()):
+                continue
+            with open(meta, encoding="utf-8") as fh:
+                for row, line in enumerate(fh):
+                    item = json.loads(line)
+                    digests.append(bytes.fromhex(item["sha256"]))
+                    splits.append(code)
+                    rows.append(row)
+                    keys.append(stat_key(item["source"], item.get("size", -1), item.get("mtime_ns", -1)))
+        order = np.argsort(np.array(digests, dtype="S32"), kind="stable") if digests else np.zeros(0, int)
+        self.digests = np.array(digests, dtype="S32")[order]
+        self.split_codes = np.array(splits, dtype=np.int8)[order]
+        self.rows = np.array(rows, dtype=np.int64)[order]
+        by_key = np.argsort(np.array(keys, dtype=np.uint64), kind="stable") if keys else np.zeros(0, int)
+        self.keys = np.array(keys, dtype=np.uint64)[by_key]
+        self.key_digests = np.array(digests, dtype="S32")[by_key] if digests else np.zeros(0, "S32")
+        self._splits: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def find(self, digest: bytes) -> tuple[str, int] | None:
+        """(split, row) holding the image with this sha256, or None."""
+        i = int(np.searchsorted(self.digests, digest))
+        if i < len(self.digests) and self.digests[i] == digest:
+            return SPLITS[self.split_codes[i]], int(self.rows[i])
+        return None
+
+    def digest_of_unchanged(self, key: int) -> bytes | None:
+        """The sha256 recorded for a file with this `stat_key`, or None."""
+        i = int(np.searchsorted(self.keys, np.uint64(key)))
+        return bytes(self.key_digests[i]) if i < len(self.keys) and self.keys[i] == key else None
+
+    def pixels(self, split: str, row: int) -> np.ndarray:
+        if split not in self._splits:
+            self._splits[split] = open_split(self.store, split).images
+        return self._splits[split][row]
+
+    def write_prefixes(self, path: Path) -> Path | None:
+        """The sorted 64-bit hash prefixes, for workers to skip decoding what will be copied."""
+        if not len(self):
+            return None
+        np.save(path, np.unique(np.array([_prefix(bytes(d)) for d in self.digests], dtype=np.uint64)))
+        return path
+
+
+# --------------------------------------------------------------------------- the journal
+class Journal:
+    """Decoded pixels and one JSON line per finished file, appended as they come: the resume point.
+
+    A line is written only after its pixels, so every line's pixels are on disk; pixels past the last
+    line (a kill between the two writes) are cut off when the journal is reopened.
+    """
+
+    def __init__(self, work: Path, wanted: dict[str, Any]) -> None:
+        self.work, self.frame = work, wanted["size"] * wanted["size"] * wanted["channels"]
+        self.shape = (wanted["size"], wanted["size"], wanted["channels"])
+        recipe_path = work / RECIPE_FILE
+        if work.exists() and (not recipe_path.exists() or json.loads(recipe_path.read_text()) != wanted):
+            shutil.rmtree(work)
+        work.mkdir(parents=True, exist_ok=True)
+        recipe_path.write_text(json.dumps(wanted))
+        self.done: dict[int, tuple[bytes, int, str | None]] = {}  # stat key -> (sha256, row, reason)
+        lines_path, pixels_path = work / "journal.jsonl", work / "decoded.u8"
+        rows = 0
+        if lines_path.exists():
+            with open(lines_path, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        item = json.loads(line)
+                    except json.JSONDecodeError:  # the last line of a killed run may be cut short
+                        break
+                    self.done[item["key"]] = (bytes.fromhex(item["sha256"]), item["row"], item["reason"])
+                    rows = max(rows, item["row"] + 1)
+        self.rows = rows
+        with open(pixels_path, "ab") as fh:
+            fh.truncate(rows * self.frame)
+        # Rewrite the lines that were read in full, so a torn last line cannot precede new ones.
+        with open(lines_path, "w", encoding="utf-8") as fh:
+            for key, (digest, row, reason) in self.done.items():
+                fh.write(json.dumps({"key": key, "sha256": digest.hex(), "row": row, "reason": reason}) + "\n")
+        self._lines = open(lines_path, "a", encoding="utf-8")
+        self._pixels = open(pixels_path, "ab")
+        self._view: np.ndarray | None = None
+
+    def record(self, key: int, digest: bytes, image: np.ndarray | None, reason: str | None) -> int:
+        """Keep one file's outcome; returns the pixel row (-1 when there are no new pixels)."""
+        row = -1
+        if image is not None:
+            self._pixels.write(np.ascontiguousarray(image).tobytes())
+            self._pixels.flush()
+            row, self.rows = self.rows, self.rows + 1
+        self._lines.write(json.dumps({"key": key, "sha256": digest.hex(), "row": row, "reason": reason}) + "\n")
+        self._lines.flush()
+        self.done[key] = (digest, row, reason)
+        return row
+
+    def pixels(self, row: int) -> np.ndarray:
+        if self._view is None:
+            self._pixels.flush()
+            self._view = np.memmap(self.work / "decoded.u8", dtype=np.uint8, mode="r",
+                                   shape=(max(self.rows, 1), *self.shape))
+        return self._view[row]
+
+    def close(self) -> None:
+        self._lines.close()
+        self._pixels.close()
+        self._view = None
+
+
+# --------------------------------------------------------------------------- decoding workers
+_KNOWN: dict[str, np.ndarray] = {}
+
+
+def _is_known(digest: bytes, prefixes_file: str | None) -> bool:
+    if prefixes_file is None:
+        return False
+    if prefixes_file not in _KNOWN:  # once per worker process
+        _KNOWN[prefixes_file] = np.load(prefixes_file, mmap_mode="r")
+    known = _KNOWN[prefixes_file]
+    p = _prefix(digest)
+    i = int(np.searchsorted(known, p))
+    return i < len(known) and known[i] == p
+
+
+def ingest_files(paths: Sequence[str], size: int, max_pixels: int,
+                 prefixes_file: str | None) -> list[tuple[bytes, np.ndarray | None, str | None, bool]]:
+    """Read each file once: (sha256, pixels or None, reason when unusable, known to the previous store).
+    A file whose hash the previous store may hold is not decoded (its pixels get copied)."""
+    out = []
+    for path in paths:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            digest = hashlib.sha256(path.encode()).digest()
+            out.append((digest, None, f"unreadable: {exc.strerror or exc}", False))
+            continue
+        digest = hashlib.sha256(data).digest()
+        if _is_known(digest, prefixes_file):
+            out.append((digest, None, None, True))
+            continue
+        decoded = decode_bytes(data, path, size, max_pixels, digest=digest.hex())
+        out.append((digest, decoded.image, decoded.reason, False))
+    return out
+
+
+def _chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(items), size):
+        yield list(items[start : start + size])
+
+
+def run_pool(paths: Sequence[str], workers: int, size: int, max_pixels: int,
+             prefixes_file: str | None) -> Iterator[tuple[int, tuple[bytes, np.ndarray | None, str | None, bool]]]:
+    """(position, result) for every path, in order, from `workers` processes with at most
+    `workers * CHUNKS_PER_WORKER` chunks in flight. A worker that dies (the OOM killer, a crash in a
+    codec) raises `PrepareInterrupted` naming the files it may have been on, instead of hanging."""
+    positions = range(len(paths))
+    if workers <= 1 or len(paths) < 4 * CHUNK:
+        for chunk in _chunks(positions, CHUNK):
+            yield from zip(chunk, ingest_files([paths[i] for i in chunk], size, max_pixels, prefixes_file))
+        return
+    pending: deque[tuple[list[int], Future]] = deque()
+    chunks = _chunks(positions, CHUNK)
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        try:
+            while True:
+                while len(pending) < workers * CHUNKS_PER_WORKER:
+                    chunk = next(chunks, None)
+                    if chunk is None:
+                        break
+                    pending.append((chunk, pool.submit(ingest_files, [paths[i] for i in chunk], size,
+                                                       max_pixels, prefixes_file)))
+                if not pending:
+                    return
+                chunk, future = pending.popleft()
+                yield from zip(chunk, future.result())
+        except BrokenProcessPool:
+            suspects = [paths[i] for c, _ in [(chunk, None), *pending] for i in c][: workers * CHUNK]
+            raise PrepareInterrupted(
+                f"a decoding worker died (killed by the system, often for lack of memory, or crashed in "
+                f"an image codec) while on one of these files: {', '.join(suspects[:8])}"
+                f"{' ...' if len(suspects) > 8 else ''}. Nothing was written to the store; the images decoded "
+                f"so far are kept, so rerunning `dvc repro prepare` continues from there. If memory is short, "
+                f"lower data.prepare_workers or data.max_pixels") from None
+
+
+# --------------------------------------------------------------------------- the whole ingest
+@dataclass
+class Ingested:
+    """Per listed image: sha256, where its pixels are ('new' row in the journal, 'previous' store),
+    or why it is unusable; and how each was obtained."""
+
+    digests: np.ndarray                     # (N,) S32
+    rows: np.ndarray                        # (N,) journal row, or -1
+    reasons: dict[int, str]                 # position -> why the image is unusable
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def ingest(listing_root: Path, entries: Sequence[Entry], workers: int, size: int, max_pixels: int,
+           previous: PreviousStore, journal: Journal, progress: Any = None) -> Ingested:
+    """Hash every entry and make its pixels available, reading and decoding as little as possible."""
+    n = len(entries)
+    digests = np.zeros(n, dtype="S32")
+    rows = np.full(n, -1, dtype=np.int64)
+    reasons: dict[int, str] = {}
+    counts = {"unchanged": 0, "resumed": 0, "read": 0, "decoded": 0, "copied_after_read": 0}
+    todo: list[int] = []
+    keys = [stat_key(e.path, e.size, e.mtime_ns) for e in entries]
+    for i, key in enumerate(keys):
+        done = journal.done.get(key)
+        if done is not None and (done[1] >= 0 or done[2] is not None or previous.find(done[0])):
+            digests[i], rows[i] = done[0], done[1]
+            if done[2] is not None:
+                reasons[i] = done[2]
+            counts["resumed"] += 1
+            continue
+        digest = previous.digest_of_unchanged(key)
+        if digest is not None:
+            digests[i] = digest
+            counts["unchanged"] += 1
+            continue
+        todo.append(i)
+    prefixes = previous.write_prefixes(journal.work / "known_prefixes.npy")
+    paths = [str(listing_root / entries[i].path) for i in todo]
+    results = run_pool(paths, workers, size, max_pixels, str(prefixes) if prefixes else None)
+    for position, (digest, image, reason, known) in (progress(results, total=len(todo)) if progress else results):
+        i = todo[position]
+        counts["read"] += 1
+        if known and previous.find(digest) is None:  # a 64-bit prefix collision: decode it here
+            decoded = decode_bytes((listing_root / entries[i].path).read_bytes(), paths[position], size, max_pixels)
+            image, reason, known = decoded.image, decoded.reason, False
+        counts["copied_after_read"] += known
+        counts["decoded"] += image is not None
+        digests[i], rows[i] = digest, journal.record(keys[i], digest, image, reason)
+        if reason is not None:
+            reasons[i] = reason
+    return Ingested(digests, rows, reasons, counts)

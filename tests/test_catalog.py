@@ -1,0 +1,193 @@
+"""Catalogs that change: incremental and restartable prepare, a dying worker, manifests."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from cnnpipe.config import DataConfig
+from cnnpipe.data.prepare import DataError, prepare
+from cnnpipe.data.store import open_split
+from conftest import ROOT, colour_image, save_image
+
+
+def make_catalog(root: Path, start: int, stop: int, side: int = 24) -> None:
+    for i in range(start, stop):
+        save_image(root / ("shoes" if i % 2 else "bags") / f"{i:05d}.png", colour_image(i, (side, side)))
+
+
+def store_pixels(store: Path) -> dict[str, tuple[bytes, bytes, list[str]]]:
+    """Per split: pixels, labels and sources, to compare stores made different ways."""
+    out = {}
+    for split in ("train", "val", "test"):
+        sources = [json.loads(line)["source"] for line in (store / f"{split}_meta.jsonl").read_text().splitlines()]
+        data = open_split(store, split)
+        out[split] = (np.asarray(data.images).tobytes(), data.labels.tobytes(), sources)
+    return out
+
+
+def test_adding_images_decodes_only_the_new_ones_and_matches_a_full_prepare(tmp_path):
+    root = tmp_path / "catalog"
+    make_catalog(root, 0, 200)
+    cfg = DataConfig(source=str(root), stored_size=16, image_size=16, prepare_workers=1)
+    first = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    assert first["work"]["decoded"] == 200 and first["work"]["copied"] == 0
+
+    make_catalog(root, 200, 220)
+    second = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    assert second["work"]["decoded"] == 20 and second["work"]["read"] == 20
+    assert second["work"]["copied"] == 200 and second["work"]["unchanged_not_read"] == 200
+
+    full = prepare(cfg, 0, tmp_path / "scratch", tmp_path / "r2.json")
+    assert full["work"]["decoded"] == 220
+    assert store_pixels(tmp_path / "p") == store_pixels(tmp_path / "scratch")
+
+
+def test_a_recopied_catalog_is_read_once_but_not_decoded_again(tmp_path):
+    """`cp -r` again gives every file a new mtime: each is read to hash it, and copied by its hash."""
+    make_catalog(tmp_path / "catalog", 0, 120)
+    cfg = DataConfig(source=str(tmp_path / "copy"), stored_size=16, image_size=16, prepare_workers=2)
+    shutil.copytree(tmp_path / "catalog", tmp_path / "copy", copy_function=shutil.copy)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    shutil.rmtree(tmp_path / "copy")
+    time.sleep(0.01)
+    shutil.copytree(tmp_path / "catalog", tmp_path / "copy", copy_function=shutil.copy)
+    again = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    assert again["work"]["read"] == 120 and again["work"]["decoded"] == 0 and again["work"]["copied"] == 120
+
+
+def test_a_new_stored_size_decodes_everything_again(tmp_path):
+    make_catalog(tmp_path / "catalog", 0, 60)
+    cfg = DataConfig(source=str(tmp_path / "catalog"), stored_size=16, image_size=16, prepare_workers=1)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    bigger = DataConfig(source=str(tmp_path / "catalog"), stored_size=20, image_size=20, prepare_workers=1)
+    report = prepare(bigger, 0, tmp_path / "p", tmp_path / "r.json")
+    assert report["work"]["decoded"] == 60 and report["work"]["copied"] == 0
+    assert open_split(tmp_path / "p", "train").images.shape[1:] == (20, 20, 3)
+
+
+def _params(tmp_path: Path, source: Path, workers: int) -> Path:
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"seed": 0, "data": {"source": str(source), "stored_size": 16,
+                                                          "image_size": 16, "prepare_workers": workers}}))
+    return params
+
+
+def _start_prepare(tmp_path: Path, params: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "stages" / "prepare.py"), "--params", str(params),
+                             "--out", str(tmp_path / "p"), "--report", str(tmp_path / "r.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _journal_lines(tmp_path: Path) -> int:
+    journal = tmp_path / "p.work" / "journal.jsonl"
+    return len(journal.read_text().splitlines()) if journal.exists() else 0
+
+
+def test_a_killed_prepare_continues_where_it_stopped(tmp_path):
+    root = tmp_path / "catalog"
+    make_catalog(root, 0, 400, side=400)  # slow enough to decode that the kill lands mid-way
+    proc = _start_prepare(tmp_path, _params(tmp_path, root, workers=1))
+    deadline = time.monotonic() + 120
+    while _journal_lines(tmp_path) < 40 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = _journal_lines(tmp_path)
+    assert 40 <= done < 400, "the kill should land mid-way"
+    assert not (tmp_path / "p").exists()  # nothing was swapped in
+
+    cfg = DataConfig(source=str(root), stored_size=16, image_size=16, prepare_workers=1)
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    assert report["work"]["resumed"] >= done - 1  # a torn last line is decoded again
+    assert report["work"]["decoded"] == 400 - report["work"]["resumed"]
+    assert sum(report["splits"].values()) == 400
+    assert not (tmp_path / "p.work").exists()
+    prepare(cfg, 0, tmp_path / "scratch", tmp_path / "r2.json")
+    assert store_pixels(tmp_path / "p") == store_pixels(tmp_path / "scratch")
+
+
+def test_a_worker_killed_mid_decode_is_a_clear_error_and_nothing_is_lost(tmp_path):
+    root = tmp_path / "catalog"
+    make_catalog(root, 0, 600, side=400)
+    params = _params(tmp_path, root, workers=2)
+    proc = _start_prepare(tmp_path, params)
+    deadline = time.monotonic() + 120
+    while _journal_lines(tmp_path) < 40 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = [pid for pid in children
+               if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    assert workers, "expected decoding worker processes"
+    os.kill(int(workers[-1]), signal.SIGKILL)  # what the OOM killer does
+    _, err = proc.communicate(timeout=120)  # no hang
+    assert proc.returncode == 2
+    assert "a decoding worker died" in err and "continues from there" in err and "data.prepare_workers" in err
+    kept = _journal_lines(tmp_path)
+    assert kept >= 40 and not (tmp_path / "p").exists()
+
+    rerun = _start_prepare(tmp_path, params)
+    out, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["work"]["resumed"] >= kept - 1 and sum(report["splits"].values()) == 600
+
+
+# ---------------------------------------------------------------- manifests
+def _manifest_tree(tmp_path: Path) -> Path:
+    for i in range(40):
+        save_image(tmp_path / "export" / "img" / f"{i:03d}.jpg", colour_image(i))
+    return tmp_path / "export"
+
+
+def test_a_manifest_is_a_source_with_its_own_splits(tmp_path):
+    export = _manifest_tree(tmp_path)
+    rows = ["path\tlabel\tsplit"] + [f"img/{i:03d}.jpg\t{'red' if i % 2 else 'blue'}\t{'test' if i < 8 else ''}"
+                                      for i in range(40)]
+    (export / "catalog.tsv").write_text("\n".join(rows) + "\n")
+    cfg = DataConfig(source=str(export / "catalog.tsv"), stored_size=16, image_size=16, prepare_workers=1)
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    assert report["classes"] == ["blue", "red"] and report["splits"]["test"] == 8
+    assert report["splits"]["train"] + report["splits"]["val"] == 32 and report["splits"]["val"] > 0
+    meta = (tmp_path / "p" / "test_meta.jsonl").read_text().splitlines()
+    test_sources = [json.loads(line)["source"] for line in meta]
+    assert sorted(test_sources) == [f"img/{i:03d}.jpg" for i in range(8)]
+
+
+def test_a_manifests_bad_rows_are_all_named_before_any_decoding(tmp_path):
+    export = _manifest_tree(tmp_path)
+    (export / "catalog.csv").write_text(
+        "path,label,split\n"
+        "img/000.jpg,red,train\n"
+        "img/001.jpg,,train\n"           # empty label
+        "img/002.jpg,red,holdout\n"      # unknown split
+        "img/missing.jpg,blue,\n"        # no such file
+        "img/003.jpg,blue,test,extra\n"  # too many columns
+        "img/004.jpg,blue\n")
+    cfg = DataConfig(source=str(export / "catalog.csv"), stored_size=16, image_size=16)
+    with pytest.raises(DataError) as err:
+        prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    message = str(err.value)
+    assert "4 bad row(s)" in message
+    assert "catalog.csv:3: img/001.jpg: empty label" in message
+    assert "catalog.csv:4: img/002.jpg: unknown split 'holdout'" in message
+    assert "catalog.csv:5: img/missing.jpg: file not found" in message
+    assert "catalog.csv:6: 4 columns" in message
+    assert not (tmp_path / "p").exists() and not (tmp_path / "p.work").exists()
+
+
+def test_the_flat_folder_error_offers_a_manifest(tmp_path):
+    root = tmp_path / "tree"
+    for i in range(4):
+        save_image(root / "train" / ("a" if i % 2 else "b") / f"{i}.png", colour_image(i))
+        save_image(root / "val" / f"{i}.png", colour_image(10 + i))
+    with pytest.raises(DataError, match=r"or list them in a manifest \(a \.csv with the columns path,label"):
+        prepare(DataConfig(source=str(root), stored_size=16, image_size=16), 0, tmp_path / "p", tmp_path / "r.json")
