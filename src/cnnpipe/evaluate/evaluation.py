@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import statistics
 import time
 from pathlib import Path
@@ -13,12 +14,16 @@ import torch
 from cnnpipe.data.loaders import build_eval_loader
 from cnnpipe.data.store import open_split, read_index
 from cnnpipe.evaluate.gallery import most_confident_mistakes, save_gallery
-from cnnpipe.evaluate.metrics import classification_summary
+from cnnpipe.evaluate.metrics import classification_summary, dense_confusion, most_confused
 from cnnpipe.evaluate.stats import SMALL_TEST, wilson_interval
 from cnnpipe.files import write_json
 from cnnpipe.monitor import peak_mem_mb, process_seconds
 from cnnpipe.train.engine import forward_times, predict, topk_correct
 from cnnpipe.train.trained import load_trained, make_transform
+
+MAX_INLINE_CLASSES = 30  # beyond this a dense matrix in git JSON is too big to read or diff
+MOST_CONFUSED = 20
+WORST_SHOWN = 20
 
 
 def split_warnings(images: int, carved: list[str]) -> list[str]:
@@ -34,9 +39,66 @@ def split_warnings(images: int, carved: list[str]) -> list[str]:
     return warnings
 
 
+def test_sources(prepared_dir: Path, n: int) -> list[str]:
+    """Source paths of the first `n` test images (prepared order)."""
+    with open(prepared_dir / "test_meta.jsonl", encoding="utf-8") as fh:
+        return [json.loads(line)["source"] for line, _ in zip(fh, range(n))]
+
+
+def write_predictions(path: Path, summary: dict[str, Any], labels: list[int], classes: list[str],
+                      sources: list[str]) -> None:
+    """One row per test image: what it is, what the model said, how sure it was, and which file it
+    came from (a DVC-tracked file: at a million test images it is tens of MB)."""
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["actual", "predicted", "confidence", "source"])
+        for actual, predicted, confidence, source in zip(labels, summary["predictions"], summary["confidence"],
+                                                          sources):
+            writer.writerow([classes[actual], classes[predicted], f"{confidence:.4f}", source])
+
+
+def write_class_results(out_dir: Path, summary: dict[str, Any], classes: list[str],
+                        mistakes: list[tuple[int, int, int, float]]) -> None:
+    """classes.json and classes.md (git: bounded at any class count) and confusion.csv (DVC: every
+    non-zero cell). The dense matrix goes into classes.json only while it is small enough to read."""
+    support = {c["class"]: c["support"] for c in summary["per_class"]}
+    cells = summary["confusion_cells"]
+    confused = most_confused(cells, classes, support, MOST_CONFUSED)
+    write_json(out_dir / "classes.json", {
+        "classes": classes,
+        "per_class_worst_first": summary["per_class"],
+        "most_confused": confused,
+        "confusion": dense_confusion(cells, len(classes)) if len(classes) <= MAX_INLINE_CLASSES else None,
+        "confusion_file": "confusion.csv",
+        "most_confident_mistakes": [{"test_index": i, "actual": classes[a], "predicted": classes[p],
+                                     "probability": q} for i, a, p, q in mistakes]})
+    with open(out_dir / "confusion.csv", "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["actual", "predicted", "count"])
+        writer.writerows((classes[a], classes[p], n) for a, p, n in cells)
+    worst = summary["per_class"][:WORST_SHOWN]
+    lines = [f"# Per-class results on the test split ({len(classes)} classes)", "",
+             f"## The {len(worst)} weakest classes (lowest F1)", "",
+             "| Class | F1 | Precision | Recall | Test images |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {_cell(c['class'])} | {c['f1']:.3f} | {c['precision']:.3f} | {c['recall']:.3f} | {c['support']} |"
+              for c in worst]
+    lines += ["", f"## The {len(confused)} most-confused pairs", "",
+              "| Actual | Taken for | Images | Share of the actual class |", "|---|---|---:|---:|"]
+    lines += [f"| {_cell(p['actual'])} | {_cell(p['predicted'])} | {p['count']} | {p['share_of_actual']:.1%} |"
+              for p in confused]
+    lines += ["", "Every class, worst first: `classes.json`. Every non-zero cell of the confusion matrix: "
+              "`confusion.csv`; every test image: `predictions.csv` (both tracked by DVC).", ""]
+    (out_dir / "classes.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
 def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.device,
              max_images: int | None = None, gallery_size: int = 16) -> dict[str, Any]:
-    """Write eval.json, classes.json, predictions.csv, calibration.csv and mistakes.png to `out_dir`."""
+    """Write eval.json, classes.json, classes.md, confusion.csv, predictions.csv, calibration.csv and
+    mistakes.png to `out_dir`."""
     model, meta = load_trained(model_dir, device)
     split = open_split(prepared_dir, "test", limit=max_images)
     loader = build_eval_loader(split, batch_size=256)
@@ -63,14 +125,9 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
     classes = meta["classes"]
     mistakes = most_confident_mistakes(logits, labels, gallery_size)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "classes.json", {
-        "per_class": summary["per_class"], "confusion": summary["confusion"], "classes": classes,
-        "most_confident_mistakes": [{"test_index": i, "actual": classes[a], "predicted": classes[p],
-                                     "probability": q} for i, a, p, q in mistakes]})
-    with open(out_dir / "predictions.csv", "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["actual", "predicted"])
-        writer.writerows([classes[a], classes[p]] for a, p in summary["predictions"])
+    write_class_results(out_dir, summary, classes, mistakes)
+    write_predictions(out_dir / "predictions.csv", summary, labels.tolist(), classes,
+                      test_sources(prepared_dir, n))
     with open(out_dir / "calibration.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(summary["calibration"][0]))
         writer.writeheader()
