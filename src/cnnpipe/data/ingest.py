@@ -30,7 +30,7 @@ import numpy as np
 
 from cnnpipe.data.catalog import Entry
 from cnnpipe.data.decode import TRANSFORM, decode_bytes
-from cnnpipe.data.store import SPLITS, open_split
+from cnnpipe.data.store import SPLITS
 
 RECIPE_FILE = "recipe.json"
 CHUNK = 16              # images per task: amortises the inter-process round trip
@@ -58,6 +58,14 @@ def usable_cores() -> int:
 def stat_key(path: str, size: int, mtime_ns: int) -> int:
     """64-bit key of a file's path, size and mtime: equal keys mean an unchanged file."""
     return int.from_bytes(hashlib.blake2b(f"{path}\0{size}\0{mtime_ns}".encode(), digest_size=8).digest(), "big")
+
+
+def _read_frame(fd: int, row: int, shape: tuple[int, int, int]) -> np.ndarray:
+    frame = shape[0] * shape[1] * shape[2]
+    data = os.pread(fd, frame, row * frame)
+    if len(data) != frame:
+        raise OSError(f"short read: row {row} of a {frame}-byte-per-image file")
+    return np.frombuffer(data, dtype=np.uint8).reshape(shape)
 
 
 def _prefix(digest: bytes) -> np.uint64:
@@ -94,7 +102,8 @@ class PreviousStore:
         by_key = np.argsort(np.array(keys, dtype=np.uint64), kind="stable") if keys else np.zeros(0, int)
         self.keys = np.array(keys, dtype=np.uint64)[by_key]
         self.key_digests = np.array(digests, dtype="S32")[by_key] if digests else np.zeros(0, "S32")
-        self._splits: dict[str, np.ndarray] = {}
+        self.shape = (wanted["size"], wanted["size"], wanted["channels"])
+        self._files: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self.digests)
@@ -112,9 +121,15 @@ class PreviousStore:
         return bytes(self.key_digests[i]) if i < len(self.keys) and self.keys[i] == key else None
 
     def pixels(self, split: str, row: int) -> np.ndarray:
-        if split not in self._splits:
-            self._splits[split] = open_split(self.store, split).images
-        return self._splits[split][row]
+        """One image, read with pread: a memory map would count the whole old store in our RSS."""
+        if split not in self._files:
+            self._files[split] = os.open(self.store / f"{split}.u8", os.O_RDONLY)
+        return _read_frame(self._files[split], row, self.shape)
+
+    def close(self) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
 
     def write_prefixes(self, path: Path) -> Path | None:
         """The sorted 64-bit hash prefixes, for workers to skip decoding what will be copied."""
@@ -161,7 +176,7 @@ class Journal:
                 fh.write(json.dumps({"key": key, "sha256": digest.hex(), "row": row, "reason": reason}) + "\n")
         self._lines = open(lines_path, "a", encoding="utf-8")
         self._pixels = open(pixels_path, "ab")
-        self._view: np.ndarray | None = None
+        self._reader: int | None = None
 
     def record(self, key: int, digest: bytes, image: np.ndarray | None, reason: str | None) -> int:
         """Keep one file's outcome; returns the pixel row (-1 when there are no new pixels)."""
@@ -176,16 +191,18 @@ class Journal:
         return row
 
     def pixels(self, row: int) -> np.ndarray:
-        if self._view is None:
+        """One decoded image back (pread, not a memory map: see `PreviousStore.pixels`)."""
+        if self._reader is None:
             self._pixels.flush()
-            self._view = np.memmap(self.work / "decoded.u8", dtype=np.uint8, mode="r",
-                                   shape=(max(self.rows, 1), *self.shape))
-        return self._view[row]
+            self._reader = os.open(self.work / "decoded.u8", os.O_RDONLY)
+        return _read_frame(self._reader, row, self.shape)
 
     def close(self) -> None:
         self._lines.close()
         self._pixels.close()
-        self._view = None
+        if self._reader is not None:
+            os.close(self._reader)
+            self._reader = None
 
 
 # --------------------------------------------------------------------------- decoding workers

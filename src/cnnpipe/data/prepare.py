@@ -169,6 +169,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
             hashes[split] = split_hashes
     finally:
         journal.close()
+        old.close()
     no_train = [classes[i] for i, n in enumerate(counts["train"]) if n == 0]
     if len(classes) - len(no_train) < 2:
         raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
