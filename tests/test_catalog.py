@@ -1,5 +1,6 @@
 """Catalogs that change: incremental and restartable prepare, a dying worker, manifests."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -62,6 +63,26 @@ def test_a_recopied_catalog_is_read_once_but_not_decoded_again(tmp_path):
     shutil.copytree(tmp_path / "catalog", tmp_path / "copy", copy_function=shutil.copy)
     again = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     assert again["work"]["read"] == 120 and again["work"]["decoded"] == 0 and again["work"]["copied"] == 120
+
+
+def test_every_stored_hash_is_the_files_whole_sha256(tmp_path):
+    """Reading one hash out of a numpy S32 array drops its trailing zero bytes: the catalog below
+    holds a file whose sha256 ends in 00, which must be stored, split and copied by all 32 bytes."""
+    root, seed, zero_tail = tmp_path / "catalog", 0, False
+    while not zero_tail or seed < 40:
+        path = save_image(root / ("a" if seed % 2 else "b") / f"{seed}.png", colour_image(seed, (8, 8)))
+        zero_tail |= hashlib.sha256(path.read_bytes()).digest()[-1] == 0
+        seed += 1
+    cfg = DataConfig(source=str(root), stored_size=8, image_size=8, prepare_workers=1)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    shutil.copytree(root, tmp_path / "copy", copy_function=shutil.copy)  # new mtimes: copied by hash
+    again = prepare(DataConfig(source=str(tmp_path / "copy"), stored_size=8, image_size=8, prepare_workers=1),
+                    0, tmp_path / "p", tmp_path / "r.json")
+    assert again["work"]["decoded"] == 0 and again["work"]["copied"] == seed
+    for split in ("train", "val", "test"):
+        for line in (tmp_path / "p" / f"{split}_meta.jsonl").read_text().splitlines():
+            item = json.loads(line)
+            assert item["sha256"] == hashlib.sha256((tmp_path / "copy" / item["source"]).read_bytes()).hexdigest()
 
 
 def test_a_new_stored_size_decodes_everything_again(tmp_path):

@@ -229,12 +229,12 @@ def _photo_tree(root: Path, predefined: bool) -> Path:
     return root
 
 
-def _small_batches(project: Path) -> None:
+def _small_batch_params() -> dict:
+    """tiny_params with batches a few dozen photos can fill."""
     params = tiny_params()
     params["train"]["batch_size"] = 8
     params["variants"]["baseline"]["train"]["batch_size"] = 8
-    write_params(project / "params.yaml", params)
-    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "small batches"], project)
+    return params
 
 
 def _readme_recipe() -> list[str]:
@@ -250,7 +250,8 @@ def test_the_readmes_own_images_recipe_works_line_by_line(project, tmp_path):
     adds it without moving an old photo."""
     home = tmp_path / "home"
     _photo_tree(home / "product-photos", predefined=False)
-    _small_batches(project)
+    write_params(project / "params.yaml", _small_batch_params())
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "small batches"], project)
     lines = _readme_recipe()
     assert [line.split()[:2] for line in lines] == [["cp", "-r"], ["dvc", "add"], ["dvc", "exp"]]
     for line in lines:
@@ -284,10 +285,8 @@ def test_the_readmes_own_images_recipe_works_line_by_line(project, tmp_path):
 
 def test_repro_on_an_image_folder_with_its_own_splits(project, tmp_path):
     tree = _photo_tree(tmp_path / "photos", predefined=True)
-    params = tiny_params()
+    params = _small_batch_params()
     params["data"].update(source=str(tree), stored_size=32, image_size=28)
-    params["train"]["batch_size"] = 8
-    params["variants"]["baseline"]["train"]["batch_size"] = 8
     write_params(project / "params.yaml", params)
     run(["dvc", "repro"], project)
     report = json.loads((project / "metrics" / "data_report.json").read_text())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
@@ -46,7 +47,7 @@ class Listing:
     kind: str = "imagefolder"
     empty_classes: list[str] = field(default_factory=list)  # class folders without an image file
 
-    @property
+    @cached_property
     def given_splits(self) -> set[str]:
         """The splits the source names itself (split folders, or a manifest's split column)."""
         return {e.split for e in self.entries if e.split is not None}

@@ -60,6 +60,17 @@ def stat_key(path: str, size: int, mtime_ns: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{path}\0{size}\0{mtime_ns}".encode(), digest_size=8).digest(), "big")
 
 
+def digest_at(digests: np.ndarray, i: int) -> bytes:
+    """All 32 bytes of `digests[i]`: indexing an S32 array drops trailing zero bytes (1 hash in 256)."""
+    return digests[i : i + 1].tobytes()
+
+
+def hex_digests(digests: np.ndarray) -> list[str]:
+    """Hex sha256 of every row of an S32 array."""
+    text = digests.tobytes().hex()
+    return [text[j : j + 64] for j in range(0, len(text), 64)]
+
+
 def _read_frame(fd: int, row: int, shape: tuple[int, int, int]) -> np.ndarray:
     frame = shape[0] * shape[1] * shape[2]
     data = os.pread(fd, frame, row * frame)
@@ -95,13 +106,13 @@ class PreviousStore:
                     splits.append(code)
                     rows.append(row)
                     keys.append(stat_key(item["source"], item.get("size", -1), item.get("mtime_ns", -1)))
-        order = np.argsort(np.array(digests, dtype="S32"), kind="stable") if digests else np.zeros(0, int)
-        self.digests = np.array(digests, dtype="S32")[order]
+        all_digests, all_keys = np.array(digests, dtype="S32"), np.array(keys, dtype=np.uint64)
+        order = np.argsort(all_digests, kind="stable")
+        self.digests = all_digests[order]
         self.split_codes = np.array(splits, dtype=np.int8)[order]
         self.rows = np.array(rows, dtype=np.int64)[order]
-        by_key = np.argsort(np.array(keys, dtype=np.uint64), kind="stable") if keys else np.zeros(0, int)
-        self.keys = np.array(keys, dtype=np.uint64)[by_key]
-        self.key_digests = np.array(digests, dtype="S32")[by_key] if digests else np.zeros(0, "S32")
+        by_key = np.argsort(all_keys, kind="stable")
+        self.keys, self.key_digests = all_keys[by_key], all_digests[by_key]
         self.shape = (wanted["size"], wanted["size"], wanted["channels"])
         self._files: dict[str, int] = {}
 
@@ -111,14 +122,14 @@ class PreviousStore:
     def find(self, digest: bytes) -> tuple[str, int] | None:
         """(split, row) holding the image with this sha256, or None."""
         i = int(np.searchsorted(self.digests, digest))
-        if i < len(self.digests) and self.digests[i] == digest:
+        if i < len(self.digests) and digest_at(self.digests, i) == digest:
             return SPLITS[self.split_codes[i]], int(self.rows[i])
         return None
 
     def digest_of_unchanged(self, key: int) -> bytes | None:
         """The sha256 recorded for a file with this `stat_key`, or None."""
         i = int(np.searchsorted(self.keys, np.uint64(key)))
-        return bytes(self.key_digests[i]) if i < len(self.keys) and self.keys[i] == key else None
+        return digest_at(self.key_digests, i) if i < len(self.keys) and self.keys[i] == key else None
 
     def pixels(self, split: str, row: int) -> np.ndarray:
         """One image, read with pread: a memory map would count the whole old store in our RSS."""
@@ -135,7 +146,8 @@ class PreviousStore:
         """The sorted 64-bit hash prefixes, for workers to skip decoding what will be copied."""
         if not len(self):
             return None
-        np.save(path, np.unique(np.array([_prefix(bytes(d)) for d in self.digests], dtype=np.uint64)))
+        prefixes = np.frombuffer(self.digests.tobytes(), dtype=">u8").reshape(-1, 4)[:, 0]
+        np.save(path, np.unique(prefixes.astype(np.uint64)))
         return path
 
 

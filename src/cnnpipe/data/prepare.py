@@ -16,7 +16,16 @@ from tqdm import tqdm
 from cnnpipe.config import DataConfig
 from cnnpipe.data import idx
 from cnnpipe.data.catalog import DataError, Listing, list_source
-from cnnpipe.data.ingest import RECIPE_FILE, Journal, PreviousStore, ingest, recipe, usable_cores
+from cnnpipe.data.ingest import (
+    RECIPE_FILE,
+    Journal,
+    PreviousStore,
+    digest_at,
+    hex_digests,
+    ingest,
+    recipe,
+    usable_cores,
+)
 from cnnpipe.data.split import balanced_positions, content_split
 from cnnpipe.data.store import SPLITS, SplitWriter, write_index
 from cnnpipe.files import write_json
@@ -95,7 +104,7 @@ def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, dig
     pool = np.flatnonzero(usable & (given == "train"))
     names = given.copy()
     if carved and len(pool):
-        names[pool] = content_split([d.hex() for d in digests[pool]], labels[pool], carved, seed)
+        names[pool] = content_split(hex_digests(digests[pool]), labels[pool], carved, seed)
     caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
     splits = {}
     for split, cap in caps.items():
@@ -114,10 +123,6 @@ def _leakage(hashes: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
             for d, s in sorted(where.items()) if len(s) > 1]
 
 
-def _workers(cfg: DataConfig) -> int:
-    return usable_cores() if cfg.prepare_workers == "auto" else int(cfg.prepare_workers)
-
-
 def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, work: Path) -> dict[str, Any]:
     """Ingest an ImageFolder tree or a manifest into `out_dir`, copying what `previous` already holds
     and resuming what an interrupted run left in `work`. Broken files are skipped and listed (or
@@ -127,9 +132,10 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
     all_classes = sorted({e.label for e in listing.entries})
     wanted = recipe(cfg.stored_size, cfg.max_pixels)
     journal, old = Journal(work, wanted), PreviousStore(previous, wanted)
+    workers = usable_cores() if cfg.prepare_workers == "auto" else int(cfg.prepare_workers)
     try:
         progress = partial(tqdm, desc="prepare", unit="img", disable=None, mininterval=2.0)
-        got = ingest(root, listing.entries, _workers(cfg), cfg.stored_size, cfg.max_pixels, old, journal, progress)
+        got = ingest(root, listing.entries, workers, cfg.stored_size, cfg.max_pixels, old, journal, progress)
         label_of = {c: i for i, c in enumerate(all_classes)}
         all_labels = np.array([label_of[e.label] for e in listing.entries], dtype=np.int64)
         usable = np.ones(len(listing.entries), dtype=bool)
@@ -155,7 +161,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
             writer = SplitWriter(out_dir, split, cfg.stored_size, channels=3)
             split_hashes: dict[str, str] = {}
             for i in splits[split]:
-                entry, digest, row = listing.entries[i], bytes(got.digests[i]), int(got.rows[i])
+                entry, digest, row = listing.entries[i], digest_at(got.digests, i), int(got.rows[i])
                 if row >= 0:
                     image = journal.pixels(row)
                 else:
@@ -190,7 +196,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         "leakage": _leakage(hashes),
         "work": {"listed": len(listing.entries), "decoded": got.counts["decoded"], "copied": copied,
                  "read": got.counts["read"], "unchanged_not_read": got.counts["unchanged"],
-                 "resumed": got.counts["resumed"], "workers": _workers(cfg)},
+                 "resumed": got.counts["resumed"], "workers": workers},
     }
 
 
