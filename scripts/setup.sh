@@ -20,6 +20,14 @@ fi
 stamp=.venv/.cnnpipe-install
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  # torch's CUDA build makes .venv ~6.2 GB and pip unpacks beside it: say so before pip's bare
+  # "[Errno 28] No space left on device" halfway through.
+  free_gb=$(df -Pk .venv | awk 'NR == 2 { print int($4 / 1048576) }')
+  if ! compgen -G '.venv/lib/python3*/site-packages/torch/__init__.py' >/dev/null && [ "${free_gb:-0}" -lt 8 ]; then
+    echo "setup: WARNING: only ${free_gb} GB free on $(df -P .venv | awk 'NR == 2 { print $6 }');" \
+      ".venv needs ~7 GB (torch's CUDA build). If pip stops with 'No space left on device'," \
+      "free some space (old clones, pip's cache, /tmp) and run this again." >&2
+  fi
   echo "setup: installing cnnpipe and its pinned dependencies into .venv (torch is large: a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[test]'

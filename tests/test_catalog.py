@@ -136,6 +136,31 @@ def test_a_killed_prepare_continues_where_it_stopped(tmp_path):
     assert store_pixels(tmp_path / "p") == store_pixels(tmp_path / "scratch")
 
 
+def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
+    from cnnpipe.data.ingest import Journal
+
+    wanted = {"size": 2, "channels": 3}
+    image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
+    journal = Journal(tmp_path / "w", wanted)
+    for key in range(3):
+        journal.record(key, bytes([key]) * 32, image + key, None)
+    journal.record(3, bytes([3]) * 32, None, "cannot be decoded")
+    journal.close()
+    with open(tmp_path / "w" / "journal.jsonl", "ab") as fh:  # killed mid-line, after the pixels
+        fh.write(b'{"key": 4, "sha256": "04')
+    with open(tmp_path / "w" / "decoded.u8", "ab") as fh:
+        fh.write(bytes(7))
+
+    journal = Journal(tmp_path / "w", wanted)
+    assert sorted(journal.done) == [0, 1, 2, 3] and journal.rows == 3
+    assert journal.done[3] == (bytes([3]) * 32, -1, "cannot be decoded")
+    assert journal.record(4, bytes([4]) * 32, image + 4, None) == 3
+    assert np.array_equal(journal.pixels(1), image + 1) and np.array_equal(journal.pixels(3), image + 4)
+    journal.close()
+    assert sorted(Journal(tmp_path / "w", wanted).done) == [0, 1, 2, 3, 4]
+    assert Journal(tmp_path / "w", {"size": 4, "channels": 3}).done == {}  # another recipe starts over
+
+
 def test_a_worker_killed_mid_decode_is_a_clear_error_and_nothing_is_lost(tmp_path):
     root = tmp_path / "catalog"
     make_catalog(root, 0, 600, side=400)

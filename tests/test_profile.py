@@ -399,7 +399,8 @@ def test_paired_trial_win_rule(monkeypatch, candidate_times, rounds_run, win):
 def test_trials_follow_the_diagnosis(tmp_path):
     requested = config(tmp_path, "baseline")  # explicit settings: no `auto` knob
     cfg = resolve_auto(requested, torch.device("cpu"))
-    knobs = lambda rec: {k for k, _ in candidates(cfg, requested, torch.device("cpu"), rec)}
+    def knobs(rec):
+        return {k for k, _ in candidates(cfg, requested, torch.device("cpu"), rec)}
     assert knobs(set()) == {"amp", "channels_last", "loader"}
     assert "num_workers" in knobs({"loader"})  # an input-bound naive loader: workers are the other fix
     assert "pin_memory" not in knobs({"num_workers"})  # no host-to-device copy to speed up on the CPU

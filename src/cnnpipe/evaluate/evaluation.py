@@ -61,9 +61,8 @@ def write_class_results(out_dir: Path, summary: dict[str, Any], classes: list[st
                         mistakes: list[tuple[int, int, int, float]]) -> None:
     """classes.json and classes.md (git: bounded at any class count) and confusion.csv (DVC: every
     non-zero cell). The dense matrix goes into classes.json only while it is small enough to read."""
-    support = {c["class"]: c["support"] for c in summary["per_class"]}
     cells = summary["confusion_cells"]
-    confused = most_confused(cells, classes, support, MOST_CONFUSED)
+    confused = most_confused(cells, classes, MOST_CONFUSED)
     write_json(out_dir / "classes.json", {
         "classes": classes,
         "per_class_worst_first": summary["per_class"],
@@ -77,8 +76,10 @@ def write_class_results(out_dir: Path, summary: dict[str, Any], classes: list[st
         writer.writerow(["actual", "predicted", "count"])
         writer.writerows((classes[a], classes[p], n) for a, p, n in cells)
     worst = summary["per_class"][:WORST_SHOWN]
+    heading = ("Every class, weakest first" if len(worst) == len(classes)
+               else f"The {len(worst)} weakest classes")
     lines = [f"# Per-class results on the test split ({len(classes)} classes)", "",
-             f"## The {len(worst)} weakest classes (lowest F1)", "",
+             f"## {heading} (lowest F1)", "",
              "| Class | F1 | Precision | Recall | Test images |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {_cell(c['class'])} | {c['f1']:.3f} | {c['precision']:.3f} | {c['recall']:.3f} | {c['support']} |"
               for c in worst]

@@ -65,13 +65,15 @@ def confusion_counts(y_true: np.ndarray, y_pred: np.ndarray, num_classes: int) -
     return [(int(c // num_classes), int(c % num_classes), int(n)) for c, n in zip(cells, counts)]
 
 
-def most_confused(cells: list[tuple[int, int, int]], classes: list[str], support: dict[str, int],
-                  top: int) -> list[dict[str, Any]]:
+def most_confused(cells: list[tuple[int, int, int]], classes: list[str], top: int) -> list[dict[str, Any]]:
     """The `top` largest off-diagonal cells: which class is taken for which, how often, and what share
-    of the actual class that is."""
+    of the actual class that is (its row of the matrix: every test image of it)."""
+    actual_total: dict[int, int] = {}
+    for a, _, n in cells:
+        actual_total[a] = actual_total.get(a, 0) + n
     off = sorted((c for c in cells if c[0] != c[1]), key=lambda c: (-c[2], c[0], c[1]))[:top]
     return [{"actual": classes[a], "predicted": classes[p], "count": n,
-             "share_of_actual": n / support[classes[a]]} for a, p, n in off]
+             "share_of_actual": n / actual_total[a]} for a, p, n in off]
 
 
 def dense_confusion(cells: list[tuple[int, int, int]], num_classes: int) -> list[list[int]]:
