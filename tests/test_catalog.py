@@ -152,13 +152,20 @@ def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
         fh.write(bytes(7))
 
     journal = Journal(tmp_path / "w", wanted)
-    assert sorted(journal.done) == [0, 1, 2, 3] and journal.rows == 3
-    assert journal.done[3] == (bytes([3]) * 32, -1, "cannot be decoded")
+    assert len(journal) == 4 and journal.rows == 3 and journal.lookup(4) is None
+    assert journal.lookup(1) == (bytes([1]) * 32, 1, None)
+    assert journal.lookup(3) == (bytes([3]) * 32, -1, "cannot be decoded")
     assert journal.record(4, bytes([4]) * 32, image + 4, None) == 3
     assert np.array_equal(journal.pixels(1), image + 1) and np.array_equal(journal.pixels(3), image + 4)
+    journal.record(0, bytes([9]) * 32, image + 9, None)  # journalled again: the last line counts
     journal.close()
-    assert sorted(Journal(tmp_path / "w", wanted).done) == [0, 1, 2, 3, 4]
-    assert Journal(tmp_path / "w", {"size": 4, "channels": 3}).done == {}  # another recipe starts over
+    journal = Journal(tmp_path / "w", wanted)
+    assert len(journal) == 5 and journal.lookup(4) == (bytes([4]) * 32, 3, None)
+    assert journal.lookup(0) == (bytes([9]) * 32, 4, None)
+    journal.close()
+    journal = Journal(tmp_path / "w", {"size": 4, "channels": 3})
+    assert len(journal) == 0  # another recipe starts over
+    journal.close()
 
 
 def test_a_worker_killed_mid_decode_is_a_clear_error_and_nothing_is_lost(tmp_path):
@@ -206,6 +213,27 @@ def test_a_manifest_is_a_source_with_its_own_splits(tmp_path):
     meta = (tmp_path / "p" / "test_meta.jsonl").read_text().splitlines()
     test_sources = [json.loads(line)["source"] for line in meta]
     assert sorted(test_sources) == [f"img/{i:03d}.jpg" for i in range(8)]
+
+
+def test_a_manifests_listing_is_in_split_class_path_order_whatever_the_row_order(tmp_path):
+    from cnnpipe.data.catalog import read_manifest
+
+    export = _manifest_tree(tmp_path)
+    rng = np.random.default_rng(0)
+    split_of = ["", "train", "val", "test", "validation"]
+    rows = [(f"img/{i:03d}.jpg", ["zebra", "ant", "moth"][i % 3], split_of[int(rng.integers(0, 5))])
+            for i in rng.permutation(40)]
+    (export / "catalog.csv").write_text("".join(f"{p},{label},{split}\n" for p, label, split in rows))
+    listing = read_manifest(export / "catalog.csv")
+    order = {"": 0, "train": 0, "val": 1, "validation": 1, "test": 2}
+    expected = sorted(rows, key=lambda r: (order[r[2]], r[1], r[0]))
+    assert [(e.path, e.label) for e in listing.entries] == [(p, label) for p, label, _ in expected]
+    assert [e.split for e in listing.entries] == [{"": None, "validation": "val"}.get(s, s) for _, _, s in expected]
+    assert listing.given_splits == {"train", "val", "test"}
+    entry = listing.entries[0]
+    assert entry.size == (export / entry.path).stat().st_size and entry.mtime_ns > 0
+    assert listing.entries.label_indices(["ant", "moth", "zebra"]).tolist() == [
+        ["ant", "moth", "zebra"].index(e.label) for e in listing.entries]
 
 
 def test_a_manifests_bad_rows_are_all_named_before_any_decoding(tmp_path):

@@ -114,6 +114,47 @@ def test_a_second_prepare_reports_what_each_split_gained_and_lost(tmp_path):
     assert all(c["lost"] == 0 for c in changes["splits"].values())
 
 
+def _fake_store(store: Path, members: dict[str, list[str]]) -> None:
+    store.mkdir()
+    for split, digests in members.items():
+        (store / f"{split}_meta.jsonl").write_text(
+            "".join(json.dumps({"sha256": d, "source": f"{split}/{j}.png"}) + "\n" for j, d in enumerate(digests)))
+
+
+def test_split_changes_and_leakage_count_what_sets_of_hashes_would(tmp_path):
+    """The sorted-array versions against plain set arithmetic, with images moved (a new seed or
+    fraction), gained, lost, duplicated within a split, and in two splits at once."""
+    from cnnpipe.data.prepare import _leakage, split_changes
+
+    rng = np.random.default_rng(0)
+    pool = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)).hex() for _ in range(400)] + ["ab" * 31 + "00"]
+    def draw(n):
+        return [pool[i] for i in rng.integers(0, len(pool), n)]
+    before = {"train": draw(300) + pool[-1:], "val": draw(40), "test": draw(40)}
+    after = {"train": draw(320), "val": draw(30) + pool[-1:] * 2, "test": draw(50) + pool[-1:]}  # a hash ending in 00
+    _fake_store(tmp_path / "old", before)
+    _fake_store(tmp_path / "new", after)
+
+    where = {d: s for s in ("train", "val", "test") for d in before[s]}  # the last split wins
+    expected = {"splits": {s: {"gained": len(set(after[s]) - set(before[s])),
+                               "lost": len(set(before[s]) - set(after[s]))} for s in before},
+                "moved_between_splits": sum(where.get(d, s) != s for s in after for d in set(after[s]))}
+    changes = split_changes(tmp_path / "old", tmp_path / "new")
+    assert changes == expected and changes["moved_between_splits"] > 0
+    assert split_changes(tmp_path / "none", tmp_path / "new") is None
+
+    items = [(s, d, f"{s}/{j}.png") for s in ("train", "val", "test") for j, d in enumerate(after[s])]
+    first: dict[str, dict[str, str]] = {}
+    for s, d, source in items:
+        first.setdefault(d, {}).setdefault(s, source)
+    expected_leaks = [{"sha256": d, "splits": sorted(f), "sources": [f[k] for k in sorted(f)]}
+                      for d, f in sorted(first.items()) if len(f) > 1]
+    digests = np.frombuffer(b"".join(bytes.fromhex(d) for _, d, _ in items), dtype="S32")
+    codes = np.array([("train", "val", "test").index(s) for s, _, _ in items], dtype=np.int8)
+    leaks = _leakage(digests, codes, lambda j: items[j][2])
+    assert leaks == expected_leaks and len(leaks) > 10
+
+
 def test_stratified_split_keeps_singleton_classes_in_train():
     labels = np.array([0] * 10 + [1] * 10 + [2])
     keep, held = stratified_split(labels, 0.2, 0)

@@ -14,6 +14,7 @@ before any decoding:
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import multiprocessing as mp
@@ -65,10 +66,33 @@ def digest_at(digests: np.ndarray, i: int) -> bytes:
     return digests[i : i + 1].tobytes()
 
 
-def hex_digests(digests: np.ndarray) -> list[str]:
-    """Hex sha256 of every row of an S32 array."""
-    text = digests.tobytes().hex()
-    return [text[j : j + 64] for j in range(0, len(text), 64)]
+class HexDigests(Sequence[str]):
+    """The hex sha256 of every row of an S32 array, made when asked for (a list of them would hold
+    ~120 bytes a row)."""
+
+    def __init__(self, digests: np.ndarray) -> None:
+        self.digests = digests
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return digest_at(self.digests, range(len(self))[i]).hex()
+
+
+def read_store_meta(meta: Path, with_keys: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(sha256 as S32, `stat_key` as uint64, empty unless `with_keys`) of every row of a split's meta
+    file, streamed into flat buffers: 40 bytes an image, where lists of bytes and ints take ~150."""
+    digests, keys = bytearray(), array.array("Q")
+    with open(meta, encoding="utf-8") as fh:
+        for line in fh:
+            item = json.loads(line)
+            digests += bytes.fromhex(item["sha256"])
+            if with_keys:
+                keys.append(stat_key(item["source"], item.get("size", -1), item.get("mtime_ns", -1)))
+    return np.frombuffer(bytes(digests), dtype="S32"), np.frombuffer(keys, dtype=np.uint64)
 
 
 def _read_frame(fd: int, row: int, shape: tuple[int, int, int]) -> np.ndarray:
@@ -93,24 +117,15 @@ class PreviousStore:
 
     def __init__(self, store: Path, wanted: dict[str, Any]) -> None:
         self.store = store
-        digests, splits, rows, keys = [], [], [], []
         usable = (store / RECIPE_FILE).exists() and json.loads((store / RECIPE_FILE).read_text()) == wanted
-        for code, split in enumerate(SPLITS):
-            meta = store / f"{split}_meta.jsonl"
-            if not (usable and meta.exists()):
-                continue
-            with open(meta, encoding="utf-8") as fh:
-                for row, line in enumerate(fh):
-                    item = json.loads(line)
-                    digests.append(bytes.fromhex(item["sha256"]))
-                    splits.append(code)
-                    rows.append(row)
-                    keys.append(stat_key(item["source"], item.get("size", -1), item.get("mtime_ns", -1)))
-        all_digests, all_keys = np.array(digests, dtype="S32"), np.array(keys, dtype=np.uint64)
+        empty = (np.zeros(0, dtype="S32"), np.zeros(0, dtype=np.uint64))
+        metas = [store / f"{split}_meta.jsonl" for split in SPLITS]
+        parts = [read_store_meta(meta) if usable and meta.exists() else empty for meta in metas]
+        all_digests, all_keys = np.concatenate([d for d, _ in parts]), np.concatenate([k for _, k in parts])
+        codes = np.repeat(np.arange(len(SPLITS), dtype=np.int8), [len(d) for d, _ in parts])
+        rows = np.concatenate([np.arange(len(d)) for d, _ in parts])
         order = np.argsort(all_digests, kind="stable")
-        self.digests = all_digests[order]
-        self.split_codes = np.array(splits, dtype=np.int8)[order]
-        self.rows = np.array(rows, dtype=np.int64)[order]
+        self.digests, self.split_codes, self.rows = all_digests[order], codes[order], rows[order]
         by_key = np.argsort(all_keys, kind="stable")
         self.keys, self.key_digests = all_keys[by_key], all_digests[by_key]
         self.shape = (wanted["size"], wanted["size"], wanted["channels"])
@@ -156,7 +171,8 @@ class Journal:
     """Decoded pixels and one JSON line per finished file, appended as they come: the resume point.
 
     A line is written only after its pixels, so every line's pixels are on disk; pixels past the last
-    line (a kill between the two writes) are cut off when the journal is reopened.
+    line (a kill between the two writes) are cut off when the journal is reopened. What a reopened
+    journal holds is looked up in sorted arrays (`lookup`), 48 bytes a file.
     """
 
     def __init__(self, work: Path, wanted: dict[str, Any]) -> None:
@@ -167,9 +183,10 @@ class Journal:
             shutil.rmtree(work)
         work.mkdir(parents=True, exist_ok=True)
         recipe_path.write_text(json.dumps(wanted))
-        self.done: dict[int, tuple[bytes, int, str | None]] = {}  # stat key -> (sha256, row, reason)
         lines_path, pixels_path = work / "journal.jsonl", work / "decoded.u8"
-        rows, whole = 0, 0  # whole: bytes of the lines file up to the last complete line
+        keys, digests, rows = array.array("Q"), bytearray(), array.array("q")
+        reasons: dict[int, str] = {}  # line number -> why the file is unusable (a few)
+        whole = 0  # bytes of the lines file up to the last complete line
         if lines_path.exists():
             with open(lines_path, "rb") as fh:
                 for line in fh:
@@ -180,18 +197,43 @@ class Journal:
                     if item is None:  # the last line of a killed run may be cut short
                         break
                     whole += len(line)
-                    self.done[item["key"]] = (bytes.fromhex(item["sha256"]), item["row"], item["reason"])
-                    rows = max(rows, item["row"] + 1)
-        self.rows = rows
+                    if item["reason"] is not None:
+                        reasons[len(keys)] = item["reason"]
+                    keys.append(item["key"])
+                    digests += bytes.fromhex(item["sha256"])
+                    rows.append(item["row"])
+        all_keys = np.frombuffer(keys, dtype=np.uint64)
+        # A file journalled twice (its copy source vanished, so it was read again) counts as its last line.
+        order = np.argsort(all_keys, kind="stable")
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = all_keys[order][1:] != all_keys[order][:-1]
+        self._lines_of = order[last]
+        self._keys = all_keys[self._lines_of]
+        self._digests = np.frombuffer(bytes(digests), dtype="S32")
+        self._rows = np.frombuffer(rows, dtype=np.int64)
+        self._reasons = reasons
+        self.rows = int(self._rows.max()) + 1 if len(self._rows) else 0
         # Cut a torn last line off (so new lines do not follow half of one) and the pixels past the
         # last line; truncating costs nothing at 10M lines, where rewriting the file would not.
         with open(lines_path, "ab") as fh:
             fh.truncate(whole)
         with open(pixels_path, "ab") as fh:
-            fh.truncate(rows * self.frame)
+            fh.truncate(self.rows * self.frame)
         self._lines = open(lines_path, "a", encoding="utf-8")
         self._pixels = open(pixels_path, "ab")
         self._reader: int | None = None
+
+    def __len__(self) -> int:
+        """Files the journal held when it was opened."""
+        return len(self._keys)
+
+    def lookup(self, key: int) -> tuple[bytes, int, str | None] | None:
+        """(sha256, pixel row or -1, reason when unusable) journalled for a file's `stat_key`, or None."""
+        i = int(np.searchsorted(self._keys, np.uint64(key)))
+        if i == len(self._keys) or self._keys[i] != key:
+            return None
+        line = int(self._lines_of[i])
+        return digest_at(self._digests, line), int(self._rows[line]), self._reasons.get(line)
 
     def record(self, key: int, digest: bytes, image: np.ndarray | None, reason: str | None) -> int:
         """Keep one file's outcome; returns the pixel row (-1 when there are no new pixels)."""
@@ -202,7 +244,6 @@ class Journal:
             row, self.rows = self.rows, self.rows + 1
         self._lines.write(json.dumps({"key": key, "sha256": digest.hex(), "row": row, "reason": reason}) + "\n")
         self._lines.flush()
-        self.done[key] = (digest, row, reason)
         return row
 
     def pixels(self, row: int) -> np.ndarray:
@@ -297,6 +338,22 @@ def run_pool(paths: Sequence[str], workers: int, size: int, max_pixels: int,
 
 
 # --------------------------------------------------------------------------- the whole ingest
+class _Paths(Sequence[str]):
+    """The full paths of the files to read, made when asked for: a list of them all would hold
+    another ~130 bytes an image for the whole run."""
+
+    def __init__(self, root: Path, entries: Sequence[Entry], todo: Sequence[int]) -> None:
+        self.root, self.entries, self.todo = root, entries, todo
+
+    def __len__(self) -> int:
+        return len(self.todo)
+
+    def __getitem__(self, position):  # type: ignore[override]
+        if isinstance(position, slice):
+            return [self[p] for p in range(*position.indices(len(self)))]
+        return str(self.root / self.entries[self.todo[position]].path)
+
+
 @dataclass
 class Ingested:
     """Per listed image: sha256, where its pixels are ('new' row in the journal, 'previous' store),
@@ -316,10 +373,11 @@ def ingest(listing_root: Path, entries: Sequence[Entry], workers: int, size: int
     rows = np.full(n, -1, dtype=np.int64)
     reasons: dict[int, str] = {}
     counts = {"unchanged": 0, "resumed": 0, "read": 0, "decoded": 0, "copied_after_read": 0}
-    todo: list[int] = []
-    keys = [stat_key(e.path, e.size, e.mtime_ns) for e in entries]
-    for i, key in enumerate(keys):
-        done = journal.done.get(key)
+    todo = array.array("q")
+    keys = np.fromiter((stat_key(e.path, e.size, e.mtime_ns) for e in entries), dtype=np.uint64, count=n)
+    for i in range(n):
+        key = int(keys[i])  # not keys.tolist(): a Python int per image for the whole loop
+        done = journal.lookup(key)
         if done is not None and (done[1] >= 0 or done[2] is not None or previous.find(done[0])):
             digests[i], rows[i] = done[0], done[1]
             if done[2] is not None:
@@ -333,17 +391,17 @@ def ingest(listing_root: Path, entries: Sequence[Entry], workers: int, size: int
             continue
         todo.append(i)
     prefixes = previous.write_prefixes(journal.work / "known_prefixes.npy")
-    paths = [str(listing_root / entries[i].path) for i in todo]
+    paths = _Paths(listing_root, entries, todo)
     results = run_pool(paths, workers, size, max_pixels, str(prefixes) if prefixes else None)
     for position, (digest, image, reason, known) in (progress(results, total=len(todo)) if progress else results):
         i = todo[position]
         counts["read"] += 1
         if known and previous.find(digest) is None:  # a 64-bit prefix collision: decode it here
-            decoded = decode_bytes((listing_root / entries[i].path).read_bytes(), paths[position], size, max_pixels)
+            decoded = decode_bytes(Path(paths[position]).read_bytes(), paths[position], size, max_pixels)
             image, reason, known = decoded.image, decoded.reason, False
         counts["copied_after_read"] += known
         counts["decoded"] += image is not None
-        digests[i], rows[i] = digest, journal.record(keys[i], digest, image, reason)
+        digests[i], rows[i] = digest, journal.record(int(keys[i]), digest, image, reason)
         if reason is not None:
             reasons[i] = reason
     return Ingested(digests, rows, reasons, counts)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections import defaultdict
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from tqdm import tqdm
@@ -18,11 +17,12 @@ from cnnpipe.data import idx
 from cnnpipe.data.catalog import DataError, Listing, list_source
 from cnnpipe.data.ingest import (
     RECIPE_FILE,
+    HexDigests,
     Journal,
     PreviousStore,
     digest_at,
-    hex_digests,
     ingest,
+    read_store_meta,
     recipe,
     usable_cores,
 )
@@ -67,19 +67,18 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
         "test": (test_x, test_y, test, "t10k-images-idx3-ubyte"),
     }
     counts: dict[str, list[int]] = {}
-    hashes: dict[str, dict[str, str]] = {}
+    digests_written, sources = bytearray(), []
     for split, (images, labels, positions, file_name) in parts.items():
         writer = SplitWriter(out_dir, split, cfg.stored_size, channels=1)
         resized = _resize_batch(images[positions], cfg.stored_size)
-        split_hashes = {}
         for image, pos, label in zip(resized, positions, labels[positions]):
-            digest = hashlib.sha256(images[pos].tobytes()).hexdigest()
-            source = f"{file_name}#{pos}"
-            writer.add(image, int(label), source, digest)
-            split_hashes.setdefault(digest, source)
+            digest = hashlib.sha256(images[pos].tobytes()).digest()
+            sources.append(f"{file_name}#{pos}")
+            writer.add(image, int(label), sources[-1], digest.hex())
+            digests_written += digest
         writer.close()
         counts[split] = np.bincount(labels[positions], minlength=len(idx.CLASSES)).tolist()
-        hashes[split] = split_hashes
+    codes = _split_codes([len(parts[s][2]) for s in SPLITS])
     index = write_index(out_dir, list(idx.CLASSES), cfg.stored_size, 1, counts, f"fashion-mnist:{raw_dir}",
                         carved=["val"])
     return {
@@ -89,7 +88,7 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
         "classes": list(idx.CLASSES),
         "bad_files": [],
         "num_bad": 0,
-        "leakage": _leakage(hashes),
+        "leakage": _leakage(np.frombuffer(bytes(digests_written), dtype="S32"), codes, sources.__getitem__),
     }
 
 
@@ -104,7 +103,7 @@ def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, dig
     pool = np.flatnonzero(usable & (given == "train"))
     names = given.copy()
     if carved and len(pool):
-        names[pool] = content_split(hex_digests(digests[pool]), labels[pool], carved, seed)
+        names[pool] = content_split(HexDigests(digests[pool]), labels[pool], carved, seed)
     caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
     splits = {}
     for split, cap in caps.items():
@@ -113,14 +112,29 @@ def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, dig
     return splits
 
 
-def _leakage(hashes: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
-    """Byte-identical items found in more than one split."""
-    where: dict[str, dict[str, str]] = defaultdict(dict)
-    for split, by_hash in hashes.items():
-        for digest, source in by_hash.items():
-            where[digest][split] = source
-    return [{"sha256": d, "splits": sorted(s), "sources": [s[k] for k in sorted(s)]}
-            for d, s in sorted(where.items()) if len(s) > 1]
+def _split_codes(lengths: list[int]) -> np.ndarray:
+    """The split code (position in SPLITS) of every item of splits of these lengths, in SPLITS order."""
+    return np.repeat(np.arange(len(SPLITS), dtype=np.int8), lengths)
+
+
+def _leakage(digests: np.ndarray, codes: np.ndarray, source: Callable[[int], str]) -> list[dict[str, Any]]:
+    """Byte-identical items found in more than one split, by sorting their hashes (40 bytes an item;
+    a dict of hex strings would take ~200). `digests` (S32) and `codes` (into SPLITS) are in the
+    order the store was written, so each split names its first copy; `source(j)` names item j."""
+    order = np.argsort(digests, kind="stable")
+    ordered = digests[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    ends = np.r_[starts[1:], len(order)]
+    found = []
+    for a, b in zip(starts[ends - starts > 1], ends[ends - starts > 1]):
+        first: dict[str, int] = {}
+        for j in order[a:b]:
+            first.setdefault(SPLITS[codes[j]], int(j))
+        if len(first) > 1:
+            names = sorted(first)
+            found.append({"sha256": digest_at(ordered, int(a)).hex(), "splits": names,
+                          "sources": [source(first[n]) for n in names]})
+    return found
 
 
 def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, work: Path) -> dict[str, Any]:
@@ -129,15 +143,14 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
     fail the stage)."""
     listing = list_source(cfg.source)
     root = listing.root
-    all_classes = sorted({e.label for e in listing.entries})
+    all_classes = sorted(listing.entries.labels)
     wanted = recipe(cfg.stored_size, cfg.max_pixels)
     journal, old = Journal(work, wanted), PreviousStore(previous, wanted)
     workers = usable_cores() if cfg.prepare_workers == "auto" else int(cfg.prepare_workers)
     try:
         progress = partial(tqdm, desc="prepare", unit="img", disable=None, mininterval=2.0)
         got = ingest(root, listing.entries, workers, cfg.stored_size, cfg.max_pixels, old, journal, progress)
-        label_of = {c: i for i, c in enumerate(all_classes)}
-        all_labels = np.array([label_of[e.label] for e in listing.entries], dtype=np.int64)
+        all_labels = listing.entries.label_indices(all_classes)
         usable = np.ones(len(listing.entries), dtype=bool)
         usable[list(got.reasons)] = False
         bad = [{"path": listing.entries[i].path, "split": listing.entries[i].split or "assigned by prepare",
@@ -155,11 +168,9 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         labels = relabel[all_labels]
         splits = _assign_splits(listing, labels, usable, got.digests, cfg, seed)
         counts: dict[str, list[int]] = {}
-        hashes: dict[str, dict[str, str]] = {}
         copied = 0
         for split in SPLITS:
             writer = SplitWriter(out_dir, split, cfg.stored_size, channels=3)
-            split_hashes: dict[str, str] = {}
             for i in splits[split]:
                 entry, digest, row = listing.entries[i], digest_at(got.digests, i), int(got.rows[i])
                 if row >= 0:
@@ -169,10 +180,11 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
                     copied += 1
                 writer.add(image, int(labels[i]), entry.path, digest.hex(),
                            extra={"size": entry.size, "mtime_ns": entry.mtime_ns})
-                split_hashes.setdefault(digest.hex(), entry.path)
             writer.close()
             counts[split] = np.bincount(labels[splits[split]], minlength=len(classes)).tolist()
-            hashes[split] = split_hashes
+        written = np.concatenate([splits[s] for s in SPLITS])
+        codes = _split_codes([len(splits[s]) for s in SPLITS])
+        leakage = _leakage(got.digests[written], codes, lambda j: listing.entries[written[j]].path)
     finally:
         journal.close()
         old.close()
@@ -193,7 +205,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         "ignored_files": listing.ignored,
         "bad_files": bad,
         "num_bad": len(bad),
-        "leakage": _leakage(hashes),
+        "leakage": leakage,
         "work": {"listed": len(listing.entries), "decoded": got.counts["decoded"], "copied": copied,
                  "read": got.counts["read"], "unchanged_not_read": got.counts["unchanged"],
                  "resumed": got.counts["resumed"], "workers": workers},
@@ -201,29 +213,38 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
 
 
 # --------------------------------------------------------------------------- entry point
-def _members(store: Path) -> dict[str, set[str]]:
-    """{split: content hashes} of a prepared store (empty when there is none)."""
-    out: dict[str, set[str]] = {}
-    for split in SPLITS:
-        meta = store / f"{split}_meta.jsonl"
-        if meta.exists():
-            with open(meta, encoding="utf-8") as fh:
-                out[split] = {json.loads(line)["sha256"] for line in fh}
-    return out
+def _members(store: Path) -> list[np.ndarray] | None:
+    """Per split (in SPLITS order), the sorted distinct content hashes (S32) of a prepared store;
+    None when there is no store."""
+    metas = [store / f"{split}_meta.jsonl" for split in SPLITS]
+    if not any(meta.exists() for meta in metas):
+        return None
+    return [np.unique(read_store_meta(meta, with_keys=False)[0]) if meta.exists() else np.zeros(0, dtype="S32")
+            for meta in metas]
 
 
 def split_changes(previous: Path, current: Path) -> dict[str, Any] | None:
     """Images each split gained and lost against the previous store, and how many images present in
-    both changed split (0 unless the seed, the fractions or the caps changed); None without one."""
-    before, after = _members(previous), _members(current)
-    if not before:
+    both changed split (0 unless the seed, the fractions or the caps changed); None without one.
+    Sorted hash arrays throughout: 32 bytes an image, at any catalog size."""
+    before = _members(previous)
+    if before is None:
         return None
-    where = {d: s for s, digests in before.items() for d in digests}
-    moved = sum(1 for s, digests in after.items() for d in digests if where.get(d, s) != s)
-    return {"splits": {s: {"gained": len(after.get(s, set()) - before.get(s, set())),
-                           "lost": len(before.get(s, set()) - after.get(s, set()))} for s in SPLITS},
+    after = _members(current) or [np.zeros(0, dtype="S32")] * len(SPLITS)
+    # Where each old hash was; one in several splits (leakage) counts as in the last of them.
+    table, codes = np.concatenate(before), _split_codes([len(d) for d in before])
+    order = np.argsort(table, kind="stable")
+    table, codes = table[order], codes[order]
+    last = np.r_[table[1:] != table[:-1], True][: len(table)]
+    table, codes = table[last], codes[last]
+    moved = 0
+    for code, digests in enumerate(after if len(table) else []):
+        i = np.minimum(np.searchsorted(table, digests), len(table) - 1)
+        moved += int(np.sum((table[i] == digests) & (codes[i] != code)))
+    return {"splits": {s: {"gained": len(np.setdiff1d(after[k], before[k], assume_unique=True)),
+                           "lost": len(np.setdiff1d(before[k], after[k], assume_unique=True))}
+                       for k, s in enumerate(SPLITS)},
             "moved_between_splits": moved}
-
 
 
 def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path) -> dict[str, Any]:
