@@ -67,16 +67,16 @@ def test_a_missing_weights_file_is_named(tmp_path, prepared):
     usage_error(code, err, "model.weights_file=", "nowhere.safetensors", "does not exist")
 
 
-def test_missing_prepared_data_says_to_run_prepare(tmp_path):
+@pytest.mark.parametrize("script, args", [("train.py", ("optimized",)), ("profiler.py", ("optimized",)),
+                                          ("plan.py", ())])
+def test_missing_prepared_data_says_to_run_prepare(tmp_path, script, args):
     write_params(tmp_path / "params.yaml", tiny_params())
-    for script in ("train.py", "profiler.py", "plan.py"):
-        if script == "plan.py":  # the plan reads the profiles first: give it some
-            (tmp_path / "metrics" / "profile").mkdir(parents=True)
-            for v in ("baseline", "optimized"):
-                (tmp_path / "metrics" / "profile" / f"{v}.json").write_text(json.dumps(
-                    {"throughput_img_s": 100.0, "inference_img_s": 300.0, "device": "cpu"}))
-        code, err = stage(tmp_path, script, *(() if script == "plan.py" else ("optimized",)))
-        usage_error(code, err, "data/prepared", "dvc repro prepare")
+    (tmp_path / "metrics" / "profile").mkdir(parents=True)  # the plan reads the profiles first
+    for v in ("baseline", "optimized"):
+        (tmp_path / "metrics" / "profile" / f"{v}.json").write_text(json.dumps(
+            {"throughput_img_s": 100.0, "inference_img_s": 300.0, "device": "cpu"}))
+    code, err = stage(tmp_path, script, *args)
+    usage_error(code, err, "data/prepared", "dvc repro prepare")
 
 
 def test_a_plan_without_a_profile_names_the_stage_to_run(tmp_path, prepared):
