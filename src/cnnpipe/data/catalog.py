@@ -65,9 +65,7 @@ class Entries(Sequence[Entry]):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def __getitem__(self, i: int) -> Entry:  # type: ignore[override]
         return Entry(self.paths[i], self.labels[self._labels[i]], _SPLIT_NAMES[self._splits[i]],
                      self._sizes[i], self._mtimes[i])
 
@@ -79,6 +77,11 @@ class Entries(Sequence[Entry]):
         where = {name: i for i, name in enumerate(classes)}
         remap = np.array([where[name] for name in self.labels], dtype=np.int64)
         return remap[np.frombuffer(self._labels, dtype=np.int32)]
+
+    def split_names(self, default: str) -> np.ndarray:
+        """Each image's given split (object array), `default` where the source gives none."""
+        names = np.array([*_SPLIT_NAMES[:-1], default], dtype=object)
+        return names[np.frombuffer(self._splits, dtype=np.int8)]
 
     def given_splits(self) -> set[str]:
         codes = np.unique(np.frombuffer(self._splits, dtype=np.int8))

@@ -76,10 +76,8 @@ class HexDigests(Sequence[str]):
     def __len__(self) -> int:
         return len(self.digests)
 
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        return digest_at(self.digests, range(len(self))[i]).hex()
+    def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        return digest_at(self.digests, range(len(self))[i]).hex()  # range: IndexError past the end
 
 
 def read_store_meta(meta: Path, with_keys: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -348,9 +346,7 @@ class _Paths(Sequence[str]):
     def __len__(self) -> int:
         return len(self.todo)
 
-    def __getitem__(self, position):  # type: ignore[override]
-        if isinstance(position, slice):
-            return [self[p] for p in range(*position.indices(len(self)))]
+    def __getitem__(self, position: int) -> str:  # type: ignore[override]
         return str(self.root / self.entries[self.todo[position]].path)
 
 
@@ -397,7 +393,8 @@ def ingest(listing_root: Path, entries: Sequence[Entry], workers: int, size: int
         i = todo[position]
         counts["read"] += 1
         if known and previous.find(digest) is None:  # a 64-bit prefix collision: decode it here
-            decoded = decode_bytes(Path(paths[position]).read_bytes(), paths[position], size, max_pixels)
+            path = paths[position]
+            decoded = decode_bytes(Path(path).read_bytes(), path, size, max_pixels)
             image, reason, known = decoded.image, decoded.reason, False
         counts["copied_after_read"] += known
         counts["decoded"] += image is not None

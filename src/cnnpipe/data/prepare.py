@@ -49,36 +49,40 @@ def _resize_batch(images: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
+def _sha256_rows(images: np.ndarray) -> np.ndarray:
+    """The sha256 of each image's raw bytes, as an S32 array: what splits and leakage are keyed on."""
+    return np.frombuffer(b"".join(hashlib.sha256(image.tobytes()).digest() for image in images), dtype="S32")
+
+
 def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
                           search_dirs: tuple[Path, ...] = idx.SEARCH_DIRS) -> dict[str, Any]:
     """Fashion-MNIST → train/val (`content_split` of the 60k) and the official 10k test."""
     raw_dir = idx.locate(search_dirs)
     train_x, train_y = idx.load_split(raw_dir, "train")
     test_x, test_y = idx.load_split(raw_dir, "test")
-    digests = [hashlib.sha256(image.tobytes()).hexdigest() for image in train_x]
-    names = content_split(digests, train_y, [("val", cfg.val_fraction)], seed)
+    train_hashes, test_hashes = _sha256_rows(train_x), _sha256_rows(test_x)
+    names = content_split(HexDigests(train_hashes), train_y, [("val", cfg.val_fraction)], seed)
     keep, val = np.flatnonzero(names == "train"), np.flatnonzero(names == "val")
     keep = keep[balanced_positions(train_y[keep], cfg.max_train_images, seed)]
     val = val[balanced_positions(train_y[val], cfg.max_eval_images, seed)]
     test = balanced_positions(test_y, cfg.max_eval_images, seed)
     parts = {
-        "train": (train_x, train_y, keep, "train-images-idx3-ubyte"),
-        "val": (train_x, train_y, val, "train-images-idx3-ubyte"),
-        "test": (test_x, test_y, test, "t10k-images-idx3-ubyte"),
+        "train": (train_x, train_y, train_hashes, keep, "train-images-idx3-ubyte"),
+        "val": (train_x, train_y, train_hashes, val, "train-images-idx3-ubyte"),
+        "test": (test_x, test_y, test_hashes, test, "t10k-images-idx3-ubyte"),
     }
     counts: dict[str, list[int]] = {}
-    digests_written, sources = bytearray(), []
-    for split, (images, labels, positions, file_name) in parts.items():
+    sources: list[str] = []
+    for split, (images, labels, hashes, positions, file_name) in parts.items():
         writer = SplitWriter(out_dir, split, cfg.stored_size, channels=1)
         resized = _resize_batch(images[positions], cfg.stored_size)
         for image, pos, label in zip(resized, positions, labels[positions]):
-            digest = hashlib.sha256(images[pos].tobytes()).digest()
             sources.append(f"{file_name}#{pos}")
-            writer.add(image, int(label), sources[-1], digest.hex())
-            digests_written += digest
+            writer.add(image, int(label), sources[-1], digest_at(hashes, pos).hex())
         writer.close()
         counts[split] = np.bincount(labels[positions], minlength=len(idx.CLASSES)).tolist()
-    codes = _split_codes([len(parts[s][2]) for s in SPLITS])
+    written = np.concatenate([hashes[positions] for _, _, hashes, positions, _ in parts.values()])
+    codes = _split_codes([len(positions) for _, _, _, positions, _ in parts.values()])
     index = write_index(out_dir, list(idx.CLASSES), cfg.stored_size, 1, counts, f"fashion-mnist:{raw_dir}",
                         carved=["val"])
     return {
@@ -88,7 +92,7 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
         "classes": list(idx.CLASSES),
         "bad_files": [],
         "num_bad": 0,
-        "leakage": _leakage(np.frombuffer(bytes(digests_written), dtype="S32"), codes, sources.__getitem__),
+        "leakage": _leakage(written, codes, sources.__getitem__),
     }
 
 
@@ -97,7 +101,7 @@ def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, dig
                    cfg: DataConfig, seed: int) -> dict[str, np.ndarray]:
     """Positions per split: the source's own splits kept, missing ones carved out of train by content
     (`content_split`: a new photo never moves an old one); unusable images take no part."""
-    given = np.array([e.split or "train" for e in listing.entries], dtype=object)
+    given = listing.entries.split_names(default="train")
     carved = [(s, f) for s, f in (("test", cfg.test_fraction), ("val", cfg.val_fraction))
               if s not in listing.given_splits]
     pool = np.flatnonzero(usable & (given == "train"))
