@@ -3,12 +3,19 @@
 The suite never touches the network: the hub is offline for this process and every child it starts
 (set here, before timm or huggingface_hub is imported, so a test file run alone is hermetic too).
 tests/test_hub.py serves its own hub on 127.0.0.1 to test the download path.
+
+Under pytest-xdist (`scripts/test.sh` runs two workers) an expensive read-only fixture is built once
+for the whole run, not once per worker: `built_once` keys it by name in the run's shared temp folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
@@ -17,9 +24,12 @@ os.environ["DVC_NO_ANALYTICS"] = "1"
 import numpy as np
 import pytest
 import yaml
+from filelock import FileLock
 from PIL import Image
 
 from cnnpipe.data import idx
+from cnnpipe.data.prepare import prepare_fashion_mnist
+from cnnpipe.params import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +53,36 @@ def fake_fmnist(tmp_path_factory) -> Path:
     for split, n, seed in (("train", 600, 0), ("test", 200, 1)):
         idx.write_split(out, split, *_blobs(n, seed))
     return out
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+               build: Callable[[Path], Any]) -> tuple[Path, Any]:
+    """`build(folder)` run once per test run, whichever worker asks first; every worker then gets
+    (folder, what `build` returned, as JSON). Callers must treat the folder as read-only.
+
+    Alone (no xdist) this is a plain session cache. Under xdist the workers share the parent of their
+    temp folders, so the first one builds under a file lock while the others wait for it: a fixture
+    that takes a minute (a reproduced project) costs a minute per run, not per worker.
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = shared / f"built-{name}", shared / f"built-{name}.json"
+    with FileLock(str(shared / f"built-{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a build that raised left behind
+            folder.mkdir()
+            result = build(folder)
+            done.write_text(json.dumps(result))  # last: a build that raised is redone by the next caller
+    return folder, json.loads(done.read_text())
+
+
+@pytest.fixture(scope="session")
+def prepared(fake_fmnist, tmp_path_factory) -> Path:
+    """The synthetic Fashion-MNIST prepared as `tiny_params()` says (read-only: copy it to change it)."""
+    def build(out: Path) -> None:
+        prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 0, out, search_dirs=(fake_fmnist,))
+
+    return built_once(tmp_path_factory, "prepared", build)[0]
 
 
 def base_params() -> dict:

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cnnpipe.data.prepare import prepare_fashion_mnist
-from cnnpipe.params import resolve
 from conftest import ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
@@ -22,13 +20,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def prepared(fake_fmnist, tmp_path_factory):
-    out = tmp_path_factory.mktemp("prepared")
-    prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 0, out, search_dirs=(fake_fmnist,))
-    return out
 
 
 def deterministic_params(**train):

@@ -10,19 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.params import resolve
 from cnnpipe.train import engine
 from conftest import ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def prepared(fake_fmnist, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("prepared")
-    prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 0, out, search_dirs=(fake_fmnist,))
-    return out
 
 
 def stage(cwd: Path, script: str, *args: str) -> tuple[int, str]:

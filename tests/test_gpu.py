@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.monitor import GpuUtilSampler
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.diagnosis import Facts, diagnose
@@ -14,13 +13,6 @@ from cnnpipe.train.precision import grad_scaler, resolve_amp
 from conftest import tiny_params, write_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(scope="module")
-def prepared(fake_fmnist, tmp_path_factory):
-    out = tmp_path_factory.mktemp("prepared")
-    prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 0, out, search_dirs=(fake_fmnist,))
-    return out
 
 
 def cuda_config(tmp_path, **train):

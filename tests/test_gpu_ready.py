@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cnnpipe.data.loaders import AugmentConfig, FastTransform, mean_std_on
-from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.params import load_params, resolve
 from cnnpipe.plan.plan import EXPORT_S, Recipe, recipe_from_profile, stage_seconds
 from cnnpipe.profile import clock as clock_mod
@@ -26,13 +25,6 @@ from cnnpipe.train.engine import StepContext, forward_times, micro_step
 from cnnpipe.train.schedule import batch_for_steps
 from cnnpipe.train.trainer import _Pacer
 from conftest import tiny_params, write_params
-
-
-@pytest.fixture(scope="module")
-def prepared(fake_fmnist, tmp_path_factory):
-    out = tmp_path_factory.mktemp("prepared")
-    prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 0, out, search_dirs=(fake_fmnist,))
-    return out
 
 
 def config(tmp_path, variant="optimized", **train):

@@ -16,8 +16,6 @@ import psutil
 import pytest
 import torch
 
-from cnnpipe.data.prepare import prepare_fashion_mnist
-from cnnpipe.params import resolve
 from conftest import ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
@@ -34,13 +32,6 @@ def node_params(**train) -> dict:
     params = tiny_params(**{"amp": "off", "batch_size": 16, "epochs": 4, "nnodes": 2, **train})
     params["model"]["name"] = "resnet18"
     return params
-
-
-@pytest.fixture(scope="module")
-def prepared(fake_fmnist, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("prepared")
-    prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 0, out, search_dirs=(fake_fmnist,))
-    return out
 
 
 def checkout(root: Path, params: dict, prepared: Path) -> Path:

@@ -14,7 +14,7 @@ import yaml
 
 from cnnpipe.plan.plan import KEEP_BAND
 from cnnpipe.train.precision import cpu_has_fast_bf16
-from conftest import ROOT, save_image, tiny_params, write_params
+from conftest import ROOT, built_once, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -36,26 +36,29 @@ def stages_run(output: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reproduced(tmp_path_factory, fake_fmnist) -> tuple[Path, str]:
     """A git + DVC copy of the project whose Fashion-MNIST is the synthetic one (DVC-tracked in
-    data/raw), after one `dvc repro`; with that run's output. Tests never change it: each gets a copy."""
-    root = tmp_path_factory.mktemp("project")
-    for name in PROJECT_FILES:
-        src = ROOT / name
-        dst = root / name
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(src, dst)
-    shutil.copytree(fake_fmnist, root / "data" / "raw" / "fashion-mnist")  # the "copy under data/raw" route
-    params = tiny_params()
-    params["data"]["stored_size"] = 32  # resized from 28 by prepare, cropped to 28 for the model
-    write_params(root / "params.yaml", params)
-    shutil.copy2(ROOT / ".gitignore", root / ".gitignore")
-    run(["git", "init", "-q"], root)
-    run(["dvc", "add", "-q", "data/raw/fashion-mnist"], root)  # the raw data travels through DVC too
-    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], root)
-    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], root)
-    return root, run(["dvc", "repro"], root)
+    data/raw), after one `dvc repro`; with that run's output. Built once per test run (`built_once`)
+    and never changed: each test gets a copy."""
+    def build(root: Path) -> str:
+        for name in PROJECT_FILES:
+            src = ROOT / name
+            dst = root / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            else:
+                shutil.copy2(src, dst)
+        shutil.copytree(fake_fmnist, root / "data" / "raw" / "fashion-mnist")  # the "copy under data/raw" route
+        params = tiny_params()
+        params["data"]["stored_size"] = 32  # resized from 28 by prepare, cropped to 28 for the model
+        write_params(root / "params.yaml", params)
+        shutil.copy2(ROOT / ".gitignore", root / ".gitignore")
+        run(["git", "init", "-q"], root)
+        run(["dvc", "add", "-q", "data/raw/fashion-mnist"], root)  # the raw data travels through DVC too
+        run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], root)
+        run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], root)
+        return run(["dvc", "repro"], root)
+
+    return built_once(tmp_path_factory, "reproduced", build)
 
 
 @pytest.fixture()

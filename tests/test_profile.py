@@ -14,7 +14,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from cnnpipe.data.loaders import ShardSampler, TrainLoader
-from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.clock import OUT_OF_TIME, TrialClock
 from cnnpipe.profile.decision import confirm_winners, tuned_settings, tuned_speedup
@@ -26,13 +25,6 @@ from cnnpipe.profile.trials import Trial, candidates, compile_trial, paired_tria
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.tuning import resolve_auto
 from conftest import tiny_params, write_params
-
-
-@pytest.fixture(scope="module")
-def prepared(fake_fmnist, tmp_path_factory):
-    out = tmp_path_factory.mktemp("prepared")
-    prepare_fashion_mnist(resolve(tiny_params(), "optimized").data, 0, out, search_dirs=(fake_fmnist,))
-    return out
 
 
 def config(tmp_path, variant="optimized", model=None, **train):

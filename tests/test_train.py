@@ -22,14 +22,6 @@ from cnnpipe.train.schedule import lr_at, warmup_steps
 from conftest import tiny_params, write_params
 
 
-@pytest.fixture(scope="module")
-def prepared(fake_fmnist, tmp_path_factory):
-    out = tmp_path_factory.mktemp("prepared")
-    cfg = resolve(tiny_params(), "optimized").data
-    prepare_fashion_mnist(cfg, 0, out, search_dirs=(fake_fmnist,))
-    return out
-
-
 def run_config(tmp_path, variant="optimized", **train):
     return resolve(load_params(write_params(tmp_path / "params.yaml", tiny_params(**train))), variant)
 
