@@ -28,6 +28,8 @@ def main() -> int:
         print(f"prepare: {work['listed']} images listed: {work['decoded']} decoded, {work['copied']} copied from the "
               f"previous store ({work['unchanged_not_read']} unchanged files not read), {work['resumed']} kept from "
               f"an interrupted run; {work['workers']} worker(s)")
+    for folder in report.get("skipped_folders", []):
+        print(f"prepare: WARNING: skipped {folder['path']}: {folder['reason']}", file=sys.stderr)
     if report.get("changes"):
         changes = report["changes"]
         delta = ", ".join(f"{s} +{c['gained']}/-{c['lost']}" for s, c in changes["splits"].items())

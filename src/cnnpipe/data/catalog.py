@@ -102,13 +102,18 @@ class Entries(Sequence[Entry]):
 
 @dataclass
 class Listing:
-    """Every image of a source, in a fixed order (sorted by split, class, path), plus what was skipped."""
+    """Every image of a source, in a fixed order (sorted by split, class, path), plus what was skipped:
+    `ignored` files (not images), `refused` image files the listing cannot take ({"path", "reason"}:
+    a name that is not UTF-8) and `skipped_folders` ({"path", "reason"}: a symlink loop, a folder
+    beside train/, a second folder for one split). Paths in those lists are `printable`."""
 
     root: Path
     entries: Entries
     ignored: list[str] = field(default_factory=list)
     kind: str = "imagefolder"
     empty_classes: list[str] = field(default_factory=list)  # class folders without an image file
+    refused: list[dict[str, str]] = field(default_factory=list)
+    skipped_folders: list[dict[str, str]] = field(default_factory=list)
 
     @cached_property
     def given_splits(self) -> set[str]:
@@ -125,26 +130,84 @@ def list_source(source: str | Path) -> Listing:
 
 
 # --------------------------------------------------------------------------- folders
-def _walk(directory: str) -> Iterator[os.DirEntry]:
-    """Files below `directory`, depth first in name order, skipping dot-files and dot-folders."""
+def printable(path: str) -> str:
+    """`path` as text any JSON file or terminal takes: bytes of a name that are not UTF-8 (which
+    `os.fsdecode` keeps as lone surrogates) shown as \\xNN."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def is_utf8(path: str) -> bool:
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _file_id(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _walk(directory: str, root: Path, skipped: list[dict[str, str]],
+          above: frozenset[tuple[int, int]]) -> Iterator[os.DirEntry]:
+    """Files below `directory`, depth first in name order, skipping dot-files and dot-folders.
+    Folder symlinks are followed, except one back to a folder `above` it (a loop, which would list
+    every file dozens of times before the system's ELOOP): that one is skipped and reported."""
+    above = above | {_file_id(directory)}
     with os.scandir(directory) as it:
         children = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
     for child in children:
-        if child.is_dir():
-            yield from _walk(child.path)
+        try:
+            is_dir = child.is_dir()
+            loop = is_dir and _file_id(child.path) in above
+        except OSError as exc:  # a symlink to itself: ELOOP
+            skipped.append({"path": printable(os.path.relpath(child.path, root)),
+                            "reason": f"unreadable: {exc.strerror or exc}"})
+            continue
+        if loop:
+            skipped.append({"path": printable(os.path.relpath(child.path, root)),
+                            "reason": "a symlink to a folder above it (a loop): not followed"})
+        elif is_dir:
+            yield from _walk(child.path, root, skipped, above)
         elif child.is_file():
             yield child
 
 
-def _add_class(entries: Entries, class_dir: Path, root: Path, label: str, split: str | None,
-               ignored: list[str]) -> None:
-    for item in _walk(str(class_dir)):
-        rel = os.path.relpath(item.path, root)
+def _add_class(listing: Listing, class_dir: Path, label: str, split: str | None,
+               above: frozenset[tuple[int, int]]) -> None:
+    for item in _walk(str(class_dir), listing.root, listing.skipped_folders, above):
+        rel = os.path.relpath(item.path, listing.root)
         if os.path.splitext(item.name)[1].lower() not in IMAGE_EXTENSIONS:
-            ignored.append(rel)
+            listing.ignored.append(printable(rel))
+        elif not is_utf8(rel):
+            listing.refused.append({"path": printable(rel), "reason": "its name (or its folder's) is not valid "
+                                    "UTF-8; rename it (e.g. `convmv -f latin1 -t utf8`)"})
+        else:
+            st = item.stat()
+            listing.entries.append(rel, label, split, st.st_size, st.st_mtime_ns)
+
+
+def _split_folders(root: Path, subdirs: dict[str, Path], skipped: list[dict[str, str]]) -> dict[str | None, Path]:
+    """The folders to read, by the split they give (None: prepare assigns one). With a train/ folder,
+    the train/ val/ test/ folders (and their aliases); a second folder for one split (`val/` and
+    `validation/`) and any other folder are skipped and reported, never read silently or dropped."""
+    split_dirs: dict[str | None, Path] = {}
+    for name, folder in subdirs.items():
+        split = SPLIT_ALIASES.get(name.lower())
+        if split is None:
             continue
-        st = item.stat()
-        entries.append(rel, label, split, st.st_size, st.st_mtime_ns)
+        if split in split_dirs:
+            skipped.append({"path": printable(name), "reason": f"a second {split} folder beside "
+                            f"{split_dirs[split].name}/: not read; merge the two"})
+        else:
+            split_dirs[split] = folder
+    if "train" not in split_dirs:
+        return {None: root}
+    skipped += [{"path": printable(name), "reason": "not a split folder, and the tree has train/: not read; move "
+                 "its class folders into train/, val/ or test/"}
+                for name in subdirs if name.lower() not in SPLIT_ALIASES]
+    return split_dirs
 
 
 def list_folder(root: Path) -> Listing:
@@ -152,21 +215,23 @@ def list_folder(root: Path) -> Listing:
     if not root.is_dir():
         raise DataError(f"data.source: {root} is neither a directory nor a .csv/.tsv manifest; give "
                         "`fashion-mnist`, an ImageFolder tree (one folder per class) or a manifest")
+    listing = Listing(root, Entries())
     subdirs = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")}
-    split_dirs = {SPLIT_ALIASES[n.lower()]: p for n, p in subdirs.items() if n.lower() in SPLIT_ALIASES}
-    groups: dict[str | None, Path] = dict(split_dirs) if "train" in split_dirs else {None: root}
-    entries = Entries()
-    ignored: list[str] = []
     folders: set[str] = set()
-    for split, directory in groups.items():
+    for split, directory in _split_folders(root, subdirs, listing.skipped_folders).items():
         refuse_flat_folder(directory)
+        above = frozenset({_file_id(str(root)), _file_id(str(directory))})
         for class_dir in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            folders.add(class_dir.name)
-            _add_class(entries, class_dir, root, class_dir.name, split, ignored)
-        ignored += [os.path.relpath(p, root) for p in sorted(directory.iterdir())
-                    if p.is_file() and not p.name.startswith(".")]
-    empty = sorted(folders - set(entries.labels))
-    return Listing(root, entries, sorted(ignored), empty_classes=empty)
+            if not is_utf8(class_dir.name):
+                folders.add(printable(class_dir.name))  # its files are refused one by one
+            else:
+                folders.add(class_dir.name)
+            _add_class(listing, class_dir, class_dir.name, split, above)
+        listing.ignored += [printable(os.path.relpath(p, root)) for p in sorted(directory.iterdir())
+                            if p.is_file() and not p.name.startswith(".")]
+    listing.ignored.sort()
+    listing.empty_classes = sorted(folders - set(listing.entries.labels))
+    return listing
 
 
 def refuse_flat_folder(directory: Path) -> None:
@@ -187,14 +252,29 @@ def refuse_flat_folder(directory: Path) -> None:
 # --------------------------------------------------------------------------- manifests
 def _rows(path: Path, delimiter: str) -> Iterator[tuple[int, list[str]]]:
     """(line number, cells) of every non-blank row; a header row `path,label[,split]` is skipped."""
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        for number, row in enumerate(csv.reader(fh, delimiter=delimiter), start=1):
-            cells = [c.strip() for c in row]
-            if not any(cells):
-                continue
-            if number == 1 and [c.lower() for c in cells[:2]] == ["path", "label"]:
-                continue
-            yield number, cells
+    number = 0
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            for number, row in enumerate(csv.reader(fh, delimiter=delimiter), start=1):
+                cells = [c.strip() for c in row]
+                if not any(cells):
+                    continue
+                if number == 1 and [c.lower() for c in cells[:2]] == ["path", "label"]:
+                    continue
+                yield number, cells
+    except UnicodeDecodeError:
+        raw = path.read_bytes()
+        try:
+            raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:  # the reader decodes in blocks: find the line from the bytes
+            number = raw.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"data.source: manifest {path} is not UTF-8 text (at line {number}); save it as "
+                        "UTF-8") from None
+
+
+def _outside(rel: str) -> bool:
+    """True for an absolute path or one that climbs out of the manifest's folder (`../`)."""
+    return os.path.isabs(rel) or os.path.normpath(rel).split(os.sep, 1)[0] == os.pardir
 
 
 def read_manifest(path: Path) -> Listing:
@@ -220,6 +300,11 @@ def read_manifest(path: Path) -> Listing:
             continue
         if not label:
             errors.append(f"{where}: {rel}: empty label")
+            continue
+        if _outside(rel):
+            errors.append(f"{where}: {rel}: outside the manifest's folder {root}; give paths relative to it "
+                          "and below it (DVC then tracks the images with the manifest and reruns prepare "
+                          "when they change)")
             continue
         if split and split.lower() not in SPLIT_ALIASES:
             errors.append(f"{where}: {rel}: unknown split {split!r}; use train, val or test (or leave it empty)")

@@ -6,9 +6,13 @@ Rules (documented in the README):
   background of product photos; CMYK goes through PIL's conversion; 16-bit greyscale is scaled
   to 8 bits; every image ends as RGB.
 - The short side is resized to `size` (bicubic, antialiased) and the centre square is kept:
-  the aspect ratio is preserved, and the same centre region is what evaluation sees.
+  the aspect ratio is preserved, and the same centre region is what evaluation sees. A strip whose
+  resized whole would exceed `max_pixels` (1 x 80M pixels at 32 px: 2.5G) has only its centre
+  square resized, the same region.
 - More pixels than `max_pixels` (read from the header, before decoding) is a decompression bomb
   and is rejected without decoding.
+- Whatever else goes wrong with one file (any exception a codec or EXIF parser raises) rejects that
+  file with the exception named; it never stops the catalog.
 """
 
 from __future__ import annotations
@@ -68,11 +72,22 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def resize_center_square(img: Image.Image, size: int) -> Image.Image:
-    """Resize the short side to `size` (aspect kept), then keep the centre `size` square."""
+def resize_center_square(img: Image.Image, size: int, max_pixels: int | None = None) -> Image.Image:
+    """Resize the short side to `size` (aspect kept), then keep the centre `size` square.
+
+    When the resized whole would hold more than `max_pixels` (a strip: 1 x 80M pixels upscaled 32x
+    is 7.7 GB), only the centre square of the source is resized. Images under that bound take the
+    first path, so their pixels (and `TRANSFORM`) are what they were; above it they used to run out
+    of memory.
+    """
     w, h = img.size
     scale = size / min(w, h)
     new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
+    if max_pixels is not None and new_w * new_h > max_pixels:
+        side = min(w, h)
+        left, top = (w - side) / 2, (h - side) / 2
+        return img.resize((size, size), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side),
+                          reducing_gap=3.0)
     img = img.resize((new_w, new_h), Image.Resampling.BICUBIC, reducing_gap=3.0)
     left, top = (new_w - size) // 2, (new_h - size) // 2
     return img.crop((left, top, left + size, top + size))
@@ -109,10 +124,12 @@ def decode_bytes(data: bytes, path: str, size: int, max_pixels: int,
                 img.seek(0)  # GIF/TIFF: first frame
                 img.load()
                 img = ImageOps.exif_transpose(img)
-                img = resize_center_square(to_rgb(img), size)
+                img = resize_center_square(to_rgb(img), size, max_pixels)
                 array = np.asarray(img, dtype=np.uint8).copy()
     except UnidentifiedImageError:
         return Decoded(path, digest, None, "not an image (unrecognised format)")
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         return Decoded(path, digest, None, f"corrupt or truncated: {exc}")
+    except Exception as exc:  # noqa: BLE001 - Pillow and its EXIF parser raise TypeError, KeyError, ZeroDivisionError...
+        return Decoded(path, digest, None, f"cannot be decoded: {type(exc).__name__}: {exc}")
     return Decoded(path, digest, array)

@@ -168,9 +168,13 @@ class PreviousStore:
 class Journal:
     """Decoded pixels and one JSON line per finished file, appended as they come: the resume point.
 
-    A line is written only after its pixels, so every line's pixels are on disk; pixels past the last
-    line (a kill between the two writes) are cut off when the journal is reopened. What a reopened
-    journal holds is looked up in sorted arrays (`lookup`), 48 bytes a file.
+    Pixels are appended at once; their lines wait until the pixels are fsynced (`sync`, every `CHUNK`
+    files: ~0.4 ms, a few percent of decoding them), so a line on disk has its pixels on disk even
+    after a power cut, which may keep a file's length but not its last blocks. A kill loses at most
+    a chunk of decoding.
+    A reopened journal still drops any line whose pixels are not there (and everything after it)
+    and cuts off pixels past the last line. What it holds is looked up in sorted arrays (`lookup`),
+    48 bytes a file.
     """
 
     def __init__(self, work: Path, wanted: dict[str, Any]) -> None:
@@ -185,6 +189,7 @@ class Journal:
         keys, digests, rows = array.array("Q"), bytearray(), array.array("q")
         reasons: dict[int, str] = {}  # line number -> why the file is unusable (a few)
         whole = 0  # bytes of the lines file up to the last complete line
+        on_disk = pixels_path.stat().st_size // self.frame if pixels_path.exists() else 0  # whole frames
         if lines_path.exists():
             with open(lines_path, "rb") as fh:
                 for line in fh:
@@ -193,6 +198,8 @@ class Journal:
                     except json.JSONDecodeError:
                         item = None
                     if item is None:  # the last line of a killed run may be cut short
+                        break
+                    if item["row"] >= on_disk:  # its pixels were lost (a power cut): decode it again
                         break
                     whole += len(line)
                     if item["reason"] is not None:
@@ -220,6 +227,7 @@ class Journal:
         self._lines = open(lines_path, "a", encoding="utf-8")
         self._pixels = open(pixels_path, "ab")
         self._reader: int | None = None
+        self._pending: list[str] = []  # lines whose pixels are not yet fsynced
 
     def __len__(self) -> int:
         """Files the journal held when it was opened."""
@@ -238,11 +246,22 @@ class Journal:
         row = -1
         if image is not None:
             self._pixels.write(np.ascontiguousarray(image).tobytes())
-            self._pixels.flush()
+            self._pixels.flush()  # readable by `pixels` at once; durable at the next `sync`
             row, self.rows = self.rows, self.rows + 1
-        self._lines.write(json.dumps({"key": key, "sha256": digest.hex(), "row": row, "reason": reason}) + "\n")
-        self._lines.flush()
+        self._pending.append(json.dumps({"key": key, "sha256": digest.hex(), "row": row, "reason": reason}))
+        if len(self._pending) >= CHUNK:
+            self.sync()
         return row
+
+    def sync(self) -> None:
+        """Make the pixels durable, then write the lines that point at them."""
+        self._pixels.flush()
+        os.fsync(self._pixels.fileno())
+        if self._pending:
+            self._lines.write("\n".join(self._pending) + "\n")
+            self._lines.flush()
+            os.fsync(self._lines.fileno())
+            self._pending.clear()
 
     def pixels(self, row: int) -> np.ndarray:
         """One decoded image back (pread, not a memory map: see `PreviousStore.pixels`)."""
@@ -252,6 +271,7 @@ class Journal:
         return _read_frame(self._reader, row, self.shape)
 
     def close(self) -> None:
+        self.sync()
         self._lines.close()
         self._pixels.close()
         if self._reader is not None:
@@ -281,18 +301,25 @@ def ingest_files(paths: Sequence[str], size: int, max_pixels: int,
     out = []
     for path in paths:
         try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            digest = hashlib.sha256(path.encode()).digest()
-            out.append((digest, None, f"unreadable: {exc.strerror or exc}", False))
-            continue
-        digest = hashlib.sha256(data).digest()
-        if _is_known(digest, prefixes_file):
-            out.append((digest, None, None, True))
-            continue
-        decoded = decode_bytes(data, path, size, max_pixels, digest=digest.hex())
-        out.append((digest, decoded.image, decoded.reason, False))
+            out.append(_ingest_file(path, size, max_pixels, prefixes_file))
+        except Exception as exc:  # noqa: BLE001 - one odd file must not stop the catalog, nor lose its name
+            digest = hashlib.sha256(os.fsencode(path)).digest()
+            out.append((digest, None, f"cannot be read: {type(exc).__name__}: {exc}", False))
     return out
+
+
+def _ingest_file(path: str, size: int, max_pixels: int,
+                 prefixes_file: str | None) -> tuple[bytes, np.ndarray | None, str | None, bool]:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        digest = hashlib.sha256(os.fsencode(path)).digest()
+        return digest, None, f"unreadable: {exc.strerror or exc}", False
+    digest = hashlib.sha256(data).digest()
+    if _is_known(digest, prefixes_file):
+        return digest, None, None, True
+    decoded = decode_bytes(data, path, size, max_pixels, digest=digest.hex())
+    return digest, decoded.image, decoded.reason, False
 
 
 def _chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:

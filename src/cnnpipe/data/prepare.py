@@ -99,13 +99,19 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
 # --------------------------------------------------------------------------- ImageFolder trees, manifests
 def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, digests: np.ndarray,
                    cfg: DataConfig, seed: int) -> dict[str, np.ndarray]:
-    """Positions per split: the source's own splits kept, missing ones carved out of train by content
-    (`content_split`: a new photo never moves an old one); unusable images take no part."""
-    given = listing.entries.split_names(default="train")
+    """Positions per split: the source's own splits kept, missing ones carved out by content
+    (`content_split`: a new photo never moves an old one); unusable images take no part.
+
+    Only images without a given split are carved: a manifest row marked `train` stays in train. A
+    source that marks every image (a tree with train/ but no test/, a manifest without blank split
+    cells) has its missing splits carved out of its train images instead."""
+    given = listing.entries.split_names(default="")
+    names = np.where(given == "", "train", given).astype(object)
     carved = [(s, f) for s, f in (("test", cfg.test_fraction), ("val", cfg.val_fraction))
               if s not in listing.given_splits]
-    pool = np.flatnonzero(usable & (given == "train"))
-    names = given.copy()
+    pool = np.flatnonzero(usable & (given == ""))
+    if not len(pool):
+        pool = np.flatnonzero(usable & (given == "train"))
     if carved and len(pool):
         names[pool] = content_split(HexDigests(digests[pool]), labels[pool], carved, seed)
     caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
@@ -159,6 +165,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         usable[list(got.reasons)] = False
         bad = [{"path": listing.entries[i].path, "split": listing.entries[i].split or "assigned by prepare",
                 "reason": r} for i, r in sorted(got.reasons.items())]
+        bad += [{**refused, "split": "not listed"} for refused in listing.refused]
         if bad and cfg.on_bad_image == "fail":
             shown = "\n".join(f"  {b['path']}: {b['reason']}" for b in bad[:50])
             raise DataError(f"{len(bad)} unusable image(s) under {root} and data.on_bad_image=fail:\n{shown}\n"
@@ -207,6 +214,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         "empty_classes": sorted(set(listing.empty_classes) | (set(all_classes) - set(classes))),
         "classes_without_train_images": no_train,
         "ignored_files": listing.ignored,
+        "skipped_folders": listing.skipped_folders,
         "bad_files": bad,
         "num_bad": len(bad),
         "leakage": leakage,
