@@ -28,6 +28,9 @@ def main() -> int:
         print(f"prepare: {work['listed']} images listed: {work['decoded']} decoded, {work['copied']} copied from the "
               f"previous store ({work['unchanged_not_read']} unchanged files not read), {work['resumed']} kept from "
               f"an interrupted run; {work['workers']} worker(s)")
+    if report.get("num_label_conflicts"):
+        print(f"prepare: WARNING: {report['num_label_conflicts']} image(s) found under several labels (all copies "
+              "held out; see label_conflicts in the data report)", file=sys.stderr)
     for folder in report.get("skipped_folders", []):
         print(f"prepare: WARNING: skipped {folder['path']}: {folder['reason']}", file=sys.stderr)
     if report.get("changes"):

@@ -157,3 +157,18 @@ def test_a_journal_whose_last_frame_was_cut_decodes_that_image_again(tmp_path):
     assert journal.record(2, bytes([2]) * 32, image + 2, None) == 2
     assert np.array_equal(journal.pixels(2), image + 2) and np.array_equal(journal.pixels(1), image + 1)
     journal.close()
+
+
+def test_long_lists_of_skipped_files_stay_out_of_the_git_tracked_report(tmp_path):
+    root = tmp_path / "catalog"
+    _two_classes(root, 3)
+    for i in range(104):
+        (root / "shoes" / f"notes {i}.txt").write_text("not an image")
+    (root / "bags" / "empty.png").write_bytes(b"")
+    report = prepare(DataConfig(source=str(root), stored_size=16, image_size=16, prepare_workers=1), 0,
+                     tmp_path / "p", tmp_path / "r.json")
+    assert report["num_ignored"] == 104 and len(report["ignored_files"]) == 100
+    assert report["num_bad"] == 1 and report["bad_files"][0]["path"] == "bags/empty.png"
+    listed = [json.loads(line) for line in (tmp_path / "p" / "skipped_files.jsonl").read_text().splitlines()]
+    assert len(listed) == 105 and listed[0] == {**report["bad_files"][0]}
+    assert {item["path"] for item in listed[1:]} == {f"shoes/notes {i}.txt" for i in range(104)}

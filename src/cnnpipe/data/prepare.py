@@ -26,11 +26,22 @@ from cnnpipe.data.ingest import (
     recipe,
     usable_cores,
 )
-from cnnpipe.data.split import balanced_positions, content_split
+from cnnpipe.data.split import content_split
+from cnnpipe.data.sticky import (
+    SPLIT_RULE_FILE,
+    PreviousSplits,
+    keep_previous,
+    split_rule,
+    stable_cap,
+    twins_to_the_most_held_out,
+)
 from cnnpipe.data.store import SPLITS, SplitWriter, write_index
 from cnnpipe.files import write_json
 
 __all__ = ["DataError", "prepare", "prepare_fashion_mnist", "split_changes"]
+
+LISTED = 100
+"""Files listed by name in the data report, per list (all are counted; the rest are in the store)."""
 
 
 # --------------------------------------------------------------------------- Fashion-MNIST
@@ -63,9 +74,9 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
     train_hashes, test_hashes = _sha256_rows(train_x), _sha256_rows(test_x)
     names = content_split(HexDigests(train_hashes), train_y, [("val", cfg.val_fraction)], seed)
     keep, val = np.flatnonzero(names == "train"), np.flatnonzero(names == "val")
-    keep = keep[balanced_positions(train_y[keep], cfg.max_train_images, seed)]
-    val = val[balanced_positions(train_y[val], cfg.max_eval_images, seed)]
-    test = balanced_positions(test_y, cfg.max_eval_images, seed)
+    keep = keep[stable_cap(train_y[keep], train_hashes[keep], cfg.max_train_images, seed)]
+    val = val[stable_cap(train_y[val], train_hashes[val], cfg.max_eval_images, seed)]
+    test = stable_cap(test_y, test_hashes, cfg.max_eval_images, seed)
     parts = {
         "train": (train_x, train_y, train_hashes, keep, "train-images-idx3-ubyte"),
         "val": (train_x, train_y, train_hashes, val, "train-images-idx3-ubyte"),
@@ -98,9 +109,12 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
 
 # --------------------------------------------------------------------------- ImageFolder trees, manifests
 def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, digests: np.ndarray,
-                   cfg: DataConfig, seed: int) -> dict[str, np.ndarray]:
-    """Positions per split: the source's own splits kept, missing ones carved out by content
-    (`content_split`: a new photo never moves an old one); unusable images take no part.
+                   cfg: DataConfig, seed: int, previous: PreviousSplits,
+                   classes: list[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Positions per split, and what the data report says of them: the source's own splits kept,
+    missing ones carved out by content (`content_split`: a new photo never moves an old one), then
+    made sticky (`sticky`: what the previous store held keeps its split, re-encodes too; twins under
+    several labels go to the most held-out split); unusable images take no part.
 
     Only images without a given split are carved: a manifest row marked `train` stays in train. A
     source that marks every image (a tree with train/ but no test/, a manifest without blank split
@@ -112,14 +126,23 @@ def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, dig
     pool = np.flatnonzero(usable & (given == ""))
     if not len(pool):
         pool = np.flatnonzero(usable & (given == "train"))
+    report: dict[str, Any] = {"label_conflicts": [], "num_label_conflicts": 0}
     if carved and len(pool):
         names[pool] = content_split(HexDigests(digests[pool]), labels[pool], carved, seed)
+        paths = listing.entries.paths
+        report["kept_from_previous_store"] = {
+            **keep_previous(names, pool, digests, paths, previous, {s for s, _ in carved} | {"train"}),
+            "split_rule_changed": not previous.same_rule}
+        movable = np.zeros(len(names), dtype=bool)
+        movable[pool] = True
+        report["label_conflicts"], report["num_label_conflicts"] = twins_to_the_most_held_out(
+            names, np.flatnonzero(usable), movable, digests, labels, paths, classes)
     caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
     splits = {}
     for split, cap in caps.items():
         members = np.flatnonzero(usable & (names == split))
-        splits[split] = members[balanced_positions(labels[members], cap, seed)]
-    return splits
+        splits[split] = members[stable_cap(labels[members], digests[members], cap, seed)]
+    return splits, report
 
 
 def _split_codes(lengths: list[int]) -> np.ndarray:
@@ -145,6 +168,19 @@ def _leakage(digests: np.ndarray, codes: np.ndarray, source: Callable[[int], str
             found.append({"sha256": digest_at(ordered, int(a)).hex(), "splits": names,
                           "sources": [source(first[n]) for n in names]})
     return found
+
+
+def _listed(out_dir: Path, bad: list[dict[str, str]], ignored: list[str]) -> dict[str, Any]:
+    """The data report's file lists, the first `LISTED` of each with their counts: the report is
+    git-tracked, and a catalog of millions can hold thousands of them. The whole lists go to
+    `skipped_files.jsonl` in the store, which DVC tracks."""
+    if len(bad) > LISTED or len(ignored) > LISTED:
+        with open(out_dir / "skipped_files.jsonl", "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(b, ensure_ascii=False) + "\n" for b in bad)
+            fh.writelines(json.dumps({"path": path, "reason": "not an image file"}, ensure_ascii=False) + "\n"
+                          for path in ignored)
+    return {"ignored_files": ignored[:LISTED], "num_ignored": len(ignored), "bad_files": bad[:LISTED],
+            "num_bad": len(bad)}
 
 
 def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, work: Path) -> dict[str, Any]:
@@ -177,7 +213,9 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
                             f"({', '.join(classes) or 'none'}); need at least two (one folder, or label, per class)")
         relabel = np.cumsum(present > 0) - 1  # drop classes without a usable image, keep the order
         labels = relabel[all_labels]
-        splits = _assign_splits(listing, labels, usable, got.digests, cfg, seed)
+        rule = split_rule(seed, cfg.val_fraction, cfg.test_fraction)
+        splits, split_report = _assign_splits(listing, labels, usable, got.digests, cfg, seed,
+                                              PreviousSplits(previous, rule), classes)
         counts: dict[str, list[int]] = {}
         copied = 0
         for split in SPLITS:
@@ -204,6 +242,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
                         f"(without any: {', '.join(no_train)}); see metrics/data_report.json")
     (out_dir / RECIPE_FILE).write_text(json.dumps(wanted))
+    (out_dir / SPLIT_RULE_FILE).write_text(json.dumps(rule))
     index = write_index(out_dir, classes, cfg.stored_size, 3, counts, f"{listing.kind}:{cfg.source}",
                         carved=[s for s in ("val", "test") if s not in listing.given_splits])
     return {
@@ -213,11 +252,10 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         "classes": classes,
         "empty_classes": sorted(set(listing.empty_classes) | (set(all_classes) - set(classes))),
         "classes_without_train_images": no_train,
-        "ignored_files": listing.ignored,
+        **_listed(out_dir, bad, listing.ignored),
         "skipped_folders": listing.skipped_folders,
-        "bad_files": bad,
-        "num_bad": len(bad),
         "leakage": leakage,
+        **split_report,
         "work": {"listed": len(listing.entries), "decoded": got.counts["decoded"], "copied": copied,
                  "read": got.counts["read"], "unchanged_not_read": got.counts["unchanged"],
                  "resumed": got.counts["resumed"], "workers": workers},

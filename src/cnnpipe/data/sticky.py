@@ -1,0 +1,152 @@
+"""Splits that never leak across catalog updates: what the previous store held out stays held out.
+
+`content_split` alone keys an image's split on its bytes, so a photo re-encoded by a CDN, an EXIF
+edit or a new export draws a new split: ~80% of re-exported test photos would go to train, and a
+model compared on "the same test set" would have trained on part of it. Two rules close that:
+
+- **Sticky.** An image the previous store held keeps that split, found by content hash, else by
+  source path (a re-encode: same path, new bytes). So does an image a small class lent to a
+  held-out split: it never returns to train.
+- **Twins.** Identical bytes all go to the most held-out split any copy has (test, then val, then
+  train): a copy in train would be a test image the model has seen. Copies under several labels are
+  reported by path: one of the labels is wrong.
+- **Stable caps.** `data.max_train_images` and `data.max_eval_images` keep each class's images with
+  the lowest content hash, so a new photo changes a capped set by at most a class quota, never
+  redraws it.
+
+Both apply to the images whose split `prepare` assigns; a split the source gives (a split folder,
+a manifest's split cell) is the user's and stays as given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cnnpipe.data.ingest import digest_at
+from cnnpipe.data.split import hashed_unit
+from cnnpipe.data.store import SPLITS
+
+HELD_OUT_RANK = {"train": 0, "val": 1, "test": 2}
+SPLIT_RULE_FILE = "split_rule.json"
+MAX_LISTED = 100  # conflicts listed in the data report (all are counted)
+
+
+def path_key(path: str) -> int:
+    """64-bit key of a source path (relative to the catalog's root), for lookups in sorted arrays."""
+    return int.from_bytes(hashlib.blake2b(os.fsencode(path), digest_size=8).digest(), "big")
+
+
+def split_rule(seed: int, val_fraction: float, test_fraction: float) -> dict[str, Any]:
+    """What decides where `content_split` puts an image; stores made by the same rule are sticky."""
+    return {"seed": seed, "val_fraction": val_fraction, "test_fraction": test_fraction}
+
+
+class PreviousSplits:
+    """Where the previous store put each image, by content hash and by source path (sorted arrays:
+    17 bytes an image). Read whatever its decoding recipe (a new `data.stored_size` re-decodes every
+    image but must not move one between splits), but only when it was split by the same `rule`
+    (`SPLIT_RULE_FILE`; a store without one predates it and counts as the same): a new seed or new
+    fractions are asked for to redraw the splits."""
+
+    def __init__(self, store: Path, rule: dict[str, Any]) -> None:
+        digests, paths, codes = bytearray(), [], []
+        rule_file = store / SPLIT_RULE_FILE
+        self.same_rule = not rule_file.exists() or json.loads(rule_file.read_text()) == rule
+        for code, split in enumerate(SPLITS):
+            meta = store / f"{split}_meta.jsonl"
+            if not meta.exists() or not self.same_rule:
+                continue
+            with open(meta, encoding="utf-8") as fh:
+                for line in fh:
+                    item = json.loads(line)
+                    digests += bytes.fromhex(item["sha256"])
+                    paths.append(path_key(item["source"]))
+                    codes.append(code)
+        all_digests = np.frombuffer(bytes(digests), dtype="S32")
+        all_paths = np.array(paths, dtype=np.uint64)
+        all_codes = np.array(codes, dtype=np.int8)
+        by_digest, by_path = np.argsort(all_digests, kind="stable"), np.argsort(all_paths, kind="stable")
+        self.digests, self.digest_codes = all_digests[by_digest], all_codes[by_digest]
+        self.paths, self.path_codes = all_paths[by_path], all_codes[by_path]
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def codes(self, digests: np.ndarray, paths: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Per image, its previous split code (into SPLITS) found by content, and by path; -1: none."""
+        by_content = _find(self.digests, self.digest_codes, digests)
+        keys = np.fromiter((path_key(p) for p in paths), dtype=np.uint64, count=len(paths))
+        return by_content, _find(self.paths, self.path_codes, keys)
+
+
+def _find(table: np.ndarray, codes: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    if not len(table):
+        return np.full(len(wanted), -1, dtype=np.int8)
+    i = np.minimum(np.searchsorted(table, wanted), len(table) - 1)
+    return np.where(table[i] == wanted, codes[i], -1).astype(np.int8)
+
+
+def keep_previous(names: np.ndarray, pool: np.ndarray, digests: np.ndarray, paths: Sequence[str],
+                  previous: PreviousSplits, allowed: set[str]) -> dict[str, int]:
+    """In place: each `pool` image the previous store held goes back to its split, when that split is
+    still one `prepare` assigns (`allowed`). Returns what was kept, for the data report."""
+    by_content, by_path = previous.codes(digests[pool], [paths[i] for i in pool])
+    previous_code = np.where(by_content >= 0, by_content, by_path)
+    keep = np.isin(previous_code, [SPLITS.index(s) for s in allowed])  # -1 (not held before) is never in
+    wanted = np.array(SPLITS, dtype=object)[previous_code[keep]]
+    held = int(np.sum(names[pool[keep]] != wanted))
+    names[pool[keep]] = wanted
+    return {"kept_by_content": int(np.sum(keep & (by_content >= 0))),
+            "kept_by_path_after_new_bytes": int(np.sum(keep & (by_content < 0))),
+            "held_where_the_hash_would_move_them": held}
+
+
+def twins_to_the_most_held_out(names: np.ndarray, members: np.ndarray, movable: np.ndarray, digests: np.ndarray,
+                               labels: np.ndarray, paths: Sequence[str],
+                               classes: Sequence[str]) -> tuple[list[dict[str, Any]], int]:
+    """In place: among `members`, identical bytes go to the most held-out split any copy has; only the
+    `movable` ones (a boolean mask: splits `prepare` assigns) move. Returns the first `MAX_LISTED`
+    conflicts, copies under several labels (hash, labels, paths, split), and how many there are."""
+    order = members[np.argsort(digests[members], kind="stable")]
+    ordered = digests[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if len(order) else np.zeros(0, int)
+    ends = np.r_[starts[1:], len(order)]
+    conflicts, count = [], 0
+    for a, b in zip(starts[ends - starts > 1], ends[ends - starts > 1]):
+        group = order[a:b]
+        target = max(names[group], key=HELD_OUT_RANK.__getitem__)
+        # Copies of one label can be apart too: one kept by its path after a re-encode, its new twin not.
+        names[group[movable[group]]] = target
+        if len(np.unique(labels[group])) < 2:
+            continue
+        count += 1
+        if len(conflicts) < MAX_LISTED:
+            conflicts.append({"sha256": digest_at(ordered, int(a)).hex(), "split": target,
+                              "labels": sorted({classes[k] for k in labels[group]}),
+                              "paths": [paths[i] for i in group]})
+    return conflicts, count
+
+
+def stable_cap(labels: np.ndarray, digests: np.ndarray, cap: int | None, seed: int) -> np.ndarray:
+    """Sorted positions of at most `cap` items: class proportions kept (largest remainder), and within
+    a class the items whose `hashed_unit` (content hash and seed) is lowest. All when cap is None."""
+    n = len(labels)
+    if cap is None or cap >= n:
+        return np.arange(n)
+    units = np.fromiter((hashed_unit(digest_at(digests, i).hex(), seed) for i in range(n)), dtype=np.float64,
+                        count=n)
+    classes, counts = np.unique(labels, return_counts=True)
+    exact = cap * counts / n
+    quota = np.floor(exact).astype(np.int64)
+    largest_remainder = np.lexsort((classes, -(exact - quota)))
+    quota[largest_remainder[: cap - int(quota.sum())]] += 1
+    order = np.lexsort((units, labels))  # by class, then by unit: one sort, whatever the class count
+    rank_in_class = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.sort(order[rank_in_class < np.repeat(quota, counts)])
