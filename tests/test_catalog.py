@@ -244,7 +244,7 @@ def test_a_manifests_bad_rows_are_all_named_before_any_decoding(tmp_path):
         "img/001.jpg,,train\n"           # empty label
         "img/002.jpg,red,holdout\n"      # unknown split
         "img/missing.jpg,blue,\n"        # no such file
-        "img/003.jpg,blue,test,extra\n"  # too many columns
+        "img/003.jpg,blue,test,sku,more\n"  # too many columns
         "img/004.jpg,blue\n")
     cfg = DataConfig(source=str(export / "catalog.csv"), stored_size=16, image_size=16)
     with pytest.raises(DataError) as err:
@@ -254,7 +254,7 @@ def test_a_manifests_bad_rows_are_all_named_before_any_decoding(tmp_path):
     assert "catalog.csv:3: img/001.jpg: empty label" in message
     assert "catalog.csv:4: img/002.jpg: unknown split 'holdout'" in message
     assert "catalog.csv:5: img/missing.jpg: file not found" in message
-    assert "catalog.csv:6: 4 columns" in message
+    assert "catalog.csv:6: 5 columns" in message
     assert not (tmp_path / "p").exists() and not (tmp_path / "p.work").exists()
 
 

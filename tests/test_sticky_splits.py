@@ -131,3 +131,25 @@ def test_a_new_seed_or_new_fractions_redraw_the_splits(tmp_path):
     assert report["kept_from_previous_store"]["split_rule_changed"] is True
     assert report["kept_from_previous_store"]["kept_by_content"] == 0
     assert report["changes"]["moved_between_splits"] > 0 and report["splits"]["val"] > 12
+
+
+def test_every_photo_of_a_group_lands_in_one_split(tmp_path):
+    export = tmp_path / "export"
+    rows = []
+    for g in range(30):
+        for k in range(3):  # three photos of each product, different bytes
+            i = 3 * g + k
+            save_image(export / "img" / f"{i:03d}.png", colour_image(i))
+            rows.append(f"img/{i:03d}.png,{'red' if g % 2 else 'blue'},,sku-{g}")
+    rows.append("img/extra.png,red,,")  # no group: a group of one
+    save_image(export / "img" / "extra.png", colour_image(999))
+    (export / "catalog.csv").write_text("path,label,split,group\n" + "\n".join(rows) + "\n")
+    cfg = DataConfig(source=str(export / "catalog.csv"), stored_size=16, image_size=16, prepare_workers=1,
+                     val_fraction=0.2, test_fraction=0.2)
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    store = _store(tmp_path / "p")
+    split_of = {path: split for split, sources in store.items() for path in sources}
+    for g in range(30):
+        assert len({split_of[f"img/{3 * g + k:03d}.png"] for k in range(3)}) == 1, g
+    assert len(set(split_of.values())) == 3 and len(split_of) == 91
+    assert report["groups"]["groups"] == 30 and report["groups"]["photos_in_groups"] == 90

@@ -48,17 +48,26 @@ class Entries(Sequence[Entry]):
     def __init__(self) -> None:
         self.paths: list[str] = []
         self.labels: list[str] = []  # the distinct class names, in order of first appearance
+        self.groups: list[str] = []  # the distinct group keys (a manifest's `group` column), likewise
         self._label_code: dict[str, int] = {}
-        self._labels, self._splits = array("i"), array("b")
+        self._group_code: dict[str, int] = {}
+        self._labels, self._splits, self._groups = array("i"), array("b"), array("i")
         self._sizes, self._mtimes = array("q"), array("q")
 
-    def append(self, path: str, label: str, split: str | None, size: int, mtime_ns: int) -> None:
+    def append(self, path: str, label: str, split: str | None, size: int, mtime_ns: int,
+               group: str | None = None) -> None:
         code = self._label_code.setdefault(label, len(self.labels))
         if code == len(self.labels):
             self.labels.append(label)
+        group_code = -1
+        if group:
+            group_code = self._group_code.setdefault(group, len(self.groups))
+            if group_code == len(self.groups):
+                self.groups.append(group)
         self.paths.append(path)
         self._labels.append(code)
         self._splits.append(_SPLIT_NAMES.index(split))
+        self._groups.append(group_code)
         self._sizes.append(size)
         self._mtimes.append(mtime_ns)
 
@@ -83,6 +92,10 @@ class Entries(Sequence[Entry]):
         names = np.array([*_SPLIT_NAMES[:-1], default], dtype=object)
         return names[np.frombuffer(self._splits, dtype=np.int8)]
 
+    def group_codes(self) -> np.ndarray:
+        """Each image's group as its position in `groups`; -1 where it has none."""
+        return np.frombuffer(self._groups, dtype=np.int32)
+
     def given_splits(self) -> set[str]:
         codes = np.unique(np.frombuffer(self._splits, dtype=np.int8))
         return {name for name in (_SPLIT_NAMES[c] for c in codes) if name is not None}
@@ -95,7 +108,7 @@ class Entries(Sequence[Entry]):
         major = split_rank * len(self.labels) + label_rank[np.frombuffer(self._labels, dtype=np.int32)]
         order = order[np.argsort(major[order], kind="stable")].tolist()
         self.paths = [self.paths[i] for i in order]
-        for name in ("_labels", "_splits", "_sizes", "_mtimes"):
+        for name in ("_labels", "_splits", "_groups", "_sizes", "_mtimes"):
             column = getattr(self, name)
             setattr(self, name, array(column.typecode, (column[i] for i in order)))
 
@@ -246,12 +259,12 @@ def refuse_flat_folder(directory: Path) -> None:
             f"data.source: {directory} holds {len(images)} image file(s) but no class folders, so their "
             f"labels are unknown. Either move each image into a subfolder named after its class "
             f"({directory}/<class>/{images[0].name}), or list them in a manifest (a .csv with the columns "
-            f"path,label[,split], paths relative to the manifest) and set data.source to that file")
+            f"path,label[,split[,group]], paths relative to the manifest) and set data.source to that file")
 
 
 # --------------------------------------------------------------------------- manifests
 def _rows(path: Path, delimiter: str) -> Iterator[tuple[int, list[str]]]:
-    """(line number, cells) of every non-blank row; a header row `path,label[,split]` is skipped."""
+    """(line number, cells) of every non-blank row; a header row `path,label[,...]` is skipped."""
     number = 0
     try:
         with open(path, newline="", encoding="utf-8-sig") as fh:
@@ -278,10 +291,11 @@ def _outside(rel: str) -> bool:
 
 
 def read_manifest(path: Path) -> Listing:
-    """Rows `path,label[,split]` (comma for .csv, tab for .tsv; paths relative to the manifest).
+    """Rows `path,label[,split[,group]]` (comma for .csv, tab for .tsv; paths relative to the manifest).
 
     Every row is checked before anything is decoded; all problems are reported at once, each with
-    its line and reason. An empty split cell leaves the row to `prepare`, as a train row.
+    its line and reason. An empty split cell leaves the row to `prepare`. A group (a product id,
+    say) keeps every photo of that group in one split; an empty group cell is a group of one.
     """
     if not path.is_file():
         raise DataError(f"data.source: manifest {path} not found")
@@ -291,10 +305,10 @@ def read_manifest(path: Path) -> Listing:
     seen: dict[str, int] = {}
     for number, cells in _rows(path, MANIFEST_SUFFIXES[path.suffix.lower()]):
         where = f"{path}:{number}"
-        if len(cells) not in (2, 3):
-            errors.append(f"{where}: {len(cells)} columns; expected path,label[,split]")
+        if len(cells) not in (2, 3, 4):
+            errors.append(f"{where}: {len(cells)} columns; expected path,label[,split[,group]]")
             continue
-        rel, label, split = cells[0], cells[1], (cells[2] if len(cells) == 3 else "")
+        rel, label, split, group = (*cells, "", "")[:4]
         if not rel:
             errors.append(f"{where}: empty path")
             continue
@@ -321,12 +335,13 @@ def read_manifest(path: Path) -> Listing:
         except OSError:
             errors.append(f"{where}: {rel}: file not found under {root}")
             continue
-        entries.append(rel, label, SPLIT_ALIASES[split.lower()] if split else None, st.st_size, st.st_mtime_ns)
+        entries.append(rel, label, SPLIT_ALIASES[split.lower()] if split else None, st.st_size, st.st_mtime_ns,
+                       group=group or None)
     if errors:
         shown = "\n".join(f"  {e}" for e in errors[:MAX_LISTED_ERRORS])
         more = f"\n  ... and {len(errors) - MAX_LISTED_ERRORS} more" if len(errors) > MAX_LISTED_ERRORS else ""
         raise DataError(f"data.source: {len(errors)} bad row(s) in manifest {path}; fix them and rerun:\n{shown}{more}")
     if not entries:
-        raise DataError(f"data.source: manifest {path} lists no images (rows: path,label[,split])")
+        raise DataError(f"data.source: manifest {path} lists no images (rows: path,label[,split[,group]])")
     entries.sort()
     return Listing(root, entries, kind="manifest")

@@ -30,7 +30,9 @@ from cnnpipe.data.split import content_split
 from cnnpipe.data.sticky import (
     SPLIT_RULE_FILE,
     PreviousSplits,
+    colocate,
     keep_previous,
+    split_keys,
     split_rule,
     stable_cap,
     twins_to_the_most_held_out,
@@ -127,22 +129,36 @@ def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, dig
     if not len(pool):
         pool = np.flatnonzero(usable & (given == "train"))
     report: dict[str, Any] = {"label_conflicts": [], "num_label_conflicts": 0}
+    groups = listing.entries.group_codes()
     if carved and len(pool):
-        names[pool] = content_split(HexDigests(digests[pool]), labels[pool], carved, seed)
+        keys = split_keys(digests, groups, listing.entries.groups)
+        names[pool] = content_split(HexDigests(keys[pool]), labels[pool], carved, seed)
         paths = listing.entries.paths
         report["kept_from_previous_store"] = {
             **keep_previous(names, pool, digests, paths, previous, {s for s, _ in carved} | {"train"}),
             "split_rule_changed": not previous.same_rule}
         movable = np.zeros(len(names), dtype=bool)
         movable[pool] = True
+        members = np.flatnonzero(usable)
         report["label_conflicts"], report["num_label_conflicts"] = twins_to_the_most_held_out(
-            names, np.flatnonzero(usable), movable, digests, labels, paths, classes)
+            names, members, movable, digests, labels, paths, classes)
+        grouped = members[groups[members] >= 0]
+        report["groups"] = {"groups": len(listing.entries.groups), "photos_in_groups": len(grouped),
+                            "moved_to_join_their_group": _moved(names, grouped, movable, groups)}
     caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
     splits = {}
     for split, cap in caps.items():
         members = np.flatnonzero(usable & (names == split))
         splits[split] = members[stable_cap(labels[members], digests[members], cap, seed)]
     return splits, report
+
+
+def _moved(names: np.ndarray, grouped: np.ndarray, movable: np.ndarray, groups: np.ndarray) -> int:
+    """`colocate` the photos of each group; how many changed split to join theirs."""
+    before = names[grouped].copy()
+    for _ in colocate(names, grouped, movable, groups):
+        pass
+    return int(np.sum(names[grouped] != before))
 
 
 def _split_codes(lengths: list[int]) -> np.ndarray:

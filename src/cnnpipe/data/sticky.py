@@ -10,6 +10,8 @@ model compared on "the same test set" would have trained on part of it. Two rule
 - **Twins.** Identical bytes all go to the most held-out split any copy has (test, then val, then
   train): a copy in train would be a test image the model has seen. Copies under several labels are
   reported by path: one of the labels is wrong.
+- **Groups.** A manifest's `group` column (a product id) draws one split per group, and every
+  photo of a group ends in the most held-out split any of them has.
 - **Stable caps.** `data.max_train_images` and `data.max_eval_images` keep each class's images with
   the lowest content hash, so a new photo changes a capped set by at most a class quota, never
   redraws it.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,30 +110,47 @@ def keep_previous(names: np.ndarray, pool: np.ndarray, digests: np.ndarray, path
             "held_where_the_hash_would_move_them": held}
 
 
+def colocate(names: np.ndarray, members: np.ndarray, movable: np.ndarray, keys: np.ndarray) -> Iterator[np.ndarray]:
+    """In place: the `members` that share a key all go to the most held-out split any of them has;
+    only the `movable` ones (a boolean mask: the splits `prepare` assigns) move. Yields each group
+    of two or more (positions), after moving it. One sort, whatever the number of groups."""
+    order = members[np.argsort(keys[members], kind="stable")]
+    ordered = keys[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if len(order) else np.zeros(0, int)
+    ends = np.r_[starts[1:], len(order)]
+    for a, b in zip(starts[ends - starts > 1], ends[ends - starts > 1]):
+        group = order[a:b]
+        names[group[movable[group]]] = max(names[group], key=HELD_OUT_RANK.__getitem__)
+        yield group
+
+
 def twins_to_the_most_held_out(names: np.ndarray, members: np.ndarray, movable: np.ndarray, digests: np.ndarray,
                                labels: np.ndarray, paths: Sequence[str],
                                classes: Sequence[str]) -> tuple[list[dict[str, Any]], int]:
-    """In place: among `members`, identical bytes go to the most held-out split any copy has; only the
-    `movable` ones (a boolean mask: splits `prepare` assigns) move. Returns the first `MAX_LISTED`
-    conflicts, copies under several labels (hash, labels, paths, split), and how many there are."""
-    order = members[np.argsort(digests[members], kind="stable")]
-    ordered = digests[order]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if len(order) else np.zeros(0, int)
-    ends = np.r_[starts[1:], len(order)]
+    """`colocate` by content: copies of one label can be apart too (one kept by its path after a
+    re-encode, its new twin not). Returns the first `MAX_LISTED` conflicts, copies under several
+    labels (hash, labels, paths, split), and how many there are."""
     conflicts, count = [], 0
-    for a, b in zip(starts[ends - starts > 1], ends[ends - starts > 1]):
-        group = order[a:b]
-        target = max(names[group], key=HELD_OUT_RANK.__getitem__)
-        # Copies of one label can be apart too: one kept by its path after a re-encode, its new twin not.
-        names[group[movable[group]]] = target
+    for group in colocate(names, members, movable, digests):
         if len(np.unique(labels[group])) < 2:
             continue
         count += 1
         if len(conflicts) < MAX_LISTED:
-            conflicts.append({"sha256": digest_at(ordered, int(a)).hex(), "split": target,
+            conflicts.append({"sha256": digest_at(digests, int(group[0])).hex(), "split": max(names[group], key=HELD_OUT_RANK.__getitem__),
                               "labels": sorted({classes[k] for k in labels[group]}),
                               "paths": [paths[i] for i in group]})
     return conflicts, count
+
+
+def split_keys(digests: np.ndarray, groups: np.ndarray, group_names: Sequence[str]) -> np.ndarray:
+    """What `content_split` draws each image's split from: its content hash, or, for an image with a
+    group (-1: none), the hash of the group's name, which every photo of the group shares."""
+    keys = digests.copy()
+    grouped = np.flatnonzero(groups >= 0)
+    named = np.frombuffer(b"".join(hashlib.sha256(b"group\0" + name.encode()).digest() for name in group_names),
+                          dtype="S32") if group_names else np.zeros(0, dtype="S32")
+    keys[grouped] = named[groups[grouped]]
+    return keys
 
 
 def stable_cap(labels: np.ndarray, digests: np.ndarray, cap: int | None, seed: int) -> np.ndarray:
