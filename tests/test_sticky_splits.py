@@ -153,3 +153,46 @@ def test_every_photo_of_a_group_lands_in_one_split(tmp_path):
         assert len({split_of[f"img/{3 * g + k:03d}.png"] for k in range(3)}) == 1, g
     assert len(set(split_of.values())) == 3 and len(split_of) == 91
     assert report["groups"]["groups"] == 30 and report["groups"]["photos_in_groups"] == 90
+
+
+def test_copies_and_groups_are_kept_together_through_a_chain():
+    from cnnpipe.data.sticky import colocate
+
+    # A, B: group 0 (test); C, D: group 1 (train); A and C the same bytes; D and E the same bytes.
+    digests = np.array([b"a" * 32, b"b" * 32, b"a" * 32, b"d" * 32, b"d" * 32], dtype="S32")
+    groups = np.array([0, 0, 1, 1, -1])
+    names = np.array(["test", "test", "train", "train", "train"], dtype=object)
+    movable = np.array([True, True, True, True, True])
+    assert colocate(names, np.arange(5), movable, digests, groups) == 3
+    assert list(names) == ["test"] * 5
+    names = np.array(["train", "train", "val", "train", "train"], dtype=object)
+    movable[2] = False  # a split the source gives: it stays, and pulls the chain to val
+    colocate(names, np.arange(5), movable, digests, groups)
+    assert list(names) == ["val", "val", "val", "val", "val"]
+
+
+def _manifest(export: Path, rows: list[tuple[int, str, str, str]]) -> Path:
+    for i, _, _, _ in rows:
+        save_image(export / "img" / f"{i:03d}.png", colour_image(i))
+    text = "".join(f"img/{i:03d}.png,{label},{split},{group}\n" for i, label, split, group in rows)
+    (export / "catalog.csv").write_text(text)
+    return export / "catalog.csv"
+
+
+def test_blank_rows_join_their_group_and_held_out_photos_stay_held_out_when_the_source_gives_test(tmp_path):
+    # Week 1: every row blank, test and val carved.
+    rows = [(i, "red" if i % 2 else "blue", "", "") for i in range(60)]
+    manifest = _manifest(tmp_path / "export", rows)
+    cfg = DataConfig(source=str(manifest), stored_size=16, image_size=16, prepare_workers=1,
+                     test_fraction=0.2, val_fraction=0.1)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    week1 = _store(tmp_path / "p")
+    # Week 2: the export now marks a few new rows test, and one blank row is a group mate of one.
+    rows += [(60 + i, "red", "test", "sku-new" if i == 0 else "") for i in range(3)]
+    rows.append((70, "red", "", "sku-new"))
+    manifest = _manifest(tmp_path / "export", rows)
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    week2 = _store(tmp_path / "p")
+    assert not set(week1["test"]) & set(week2["train"])  # test is no longer carved, yet they stay out
+    assert set(week1["test"]) <= set(week2["test"]) | set(week2["val"])
+    assert "img/070.png" in week2["test"] and report["moved_to_join_a_copy_or_group"] >= 1

@@ -8,6 +8,7 @@ image would cost twice the memory.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import os
 from array import array
@@ -167,9 +168,14 @@ def _walk(directory: str, root: Path, skipped: list[dict[str, str]],
     """Files below `directory`, depth first in name order, skipping dot-files and dot-folders.
     Folder symlinks are followed, except one back to a folder `above` it (a loop, which would list
     every file dozens of times before the system's ELOOP): that one is skipped and reported."""
-    above = above | {_file_id(directory)}
-    with os.scandir(directory) as it:
-        children = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    try:
+        above = above | {_file_id(directory)}
+        with os.scandir(directory) as it:
+            children = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    except OSError as exc:  # a folder we may not read (lost+found on a data volume)
+        skipped.append({"path": printable(os.path.relpath(directory, root)),
+                        "reason": f"unreadable: {exc.strerror or exc}"})
+        return
     for child in children:
         try:
             is_dir = child.is_dir()
@@ -197,7 +203,11 @@ def _add_class(listing: Listing, class_dir: Path, label: str, split: str | None,
             listing.refused.append({"path": printable(rel), "reason": "its name (or its folder's) is not valid "
                                     "UTF-8; rename it (e.g. `convmv -f latin1 -t utf8`)"})
         else:
-            st = item.stat()
+            try:
+                st = item.stat()
+            except OSError as exc:  # gone since the folder was read
+                listing.refused.append({"path": printable(rel), "reason": f"unreadable: {exc.strerror or exc}"})
+                continue
             listing.entries.append(rel, label, split, st.st_size, st.st_mtime_ns)
 
 
@@ -280,7 +290,8 @@ def _rows(path: Path, delimiter: str) -> Iterator[tuple[int, list[str]]]:
         try:
             raw.decode("utf-8-sig")
         except UnicodeDecodeError as exc:  # the reader decodes in blocks: find the line from the bytes
-            number = raw.count(b"\n", 0, exc.start) + 1
+            bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0  # not counted in exc.start
+            number = raw.count(b"\n", 0, bom + exc.start) + 1
         raise DataError(f"data.source: manifest {path} is not UTF-8 text (at line {number}); save it as "
                         "UTF-8") from None
 

@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -30,13 +31,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from cnnpipe.data.catalog import Entry
-from cnnpipe.data.decode import TRANSFORM, decode_bytes
+from cnnpipe.data.decode import TRANSFORM, decode_bytes, decode_file
 from cnnpipe.data.store import SPLITS
 
 RECIPE_FILE = "recipe.json"
 CHUNK = 16              # images per task: amortises the inter-process round trip
 CHUNKS_PER_WORKER = 4   # tasks in flight per worker: bounds decoded images held in memory
 CHANNELS = 3
+SYNC_EVERY_S = 0.2      # the journal's fsyncs, at most this often (and every CHUNK files at most)
 
 
 class PrepareInterrupted(RuntimeError):
@@ -168,10 +170,10 @@ class PreviousStore:
 class Journal:
     """Decoded pixels and one JSON line per finished file, appended as they come: the resume point.
 
-    Pixels are appended at once; their lines wait until the pixels are fsynced (`sync`, every `CHUNK`
-    files: ~0.4 ms, a few percent of decoding them), so a line on disk has its pixels on disk even
-    after a power cut, which may keep a file's length but not its last blocks. A kill loses at most
-    a chunk of decoding.
+    Pixels are appended at once; their lines wait until the pixels are fsynced (`sync`: after `CHUNK`
+    files once `SYNC_EVERY_S` has passed, so at most a few fsyncs a second even on NFS, where one can
+    take 20 ms), so a line on disk has its pixels on disk even after a power cut, which may keep a
+    file's length but not its last blocks. A kill loses at most that much decoding.
     A reopened journal still drops any line whose pixels are not there (and everything after it)
     and cuts off pixels past the last line. What it holds is looked up in sorted arrays (`lookup`),
     48 bytes a file.
@@ -228,6 +230,7 @@ class Journal:
         self._pixels = open(pixels_path, "ab")
         self._reader: int | None = None
         self._pending: list[str] = []  # lines whose pixels are not yet fsynced
+        self._synced_at = time.monotonic()
 
     def __len__(self) -> int:
         """Files the journal held when it was opened."""
@@ -249,7 +252,7 @@ class Journal:
             self._pixels.flush()  # readable by `pixels` at once; durable at the next `sync`
             row, self.rows = self.rows, self.rows + 1
         self._pending.append(json.dumps({"key": key, "sha256": digest.hex(), "row": row, "reason": reason}))
-        if len(self._pending) >= CHUNK:
+        if len(self._pending) >= CHUNK and time.monotonic() - self._synced_at >= SYNC_EVERY_S:
             self.sync()
         return row
 
@@ -262,6 +265,7 @@ class Journal:
             self._lines.flush()
             os.fsync(self._lines.fileno())
             self._pending.clear()
+        self._synced_at = time.monotonic()
 
     def pixels(self, row: int) -> np.ndarray:
         """One decoded image back (pread, not a memory map: see `PreviousStore.pixels`)."""
@@ -420,8 +424,7 @@ def ingest(listing_root: Path, entries: Sequence[Entry], workers: int, size: int
         i = todo[position]
         counts["read"] += 1
         if known and previous.find(digest) is None:  # a 64-bit prefix collision: decode it here
-            path = paths[position]
-            decoded = decode_bytes(Path(path).read_bytes(), path, size, max_pixels)
+            decoded = decode_file(paths[position], size, max_pixels)
             image, reason, known = decoded.image, decoded.reason, False
         counts["copied_after_read"] += known
         counts["decoded"] += image is not None

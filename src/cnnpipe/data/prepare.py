@@ -32,10 +32,10 @@ from cnnpipe.data.sticky import (
     PreviousSplits,
     colocate,
     keep_previous,
+    label_conflicts,
     split_keys,
     split_rule,
     stable_cap,
-    twins_to_the_most_held_out,
 )
 from cnnpipe.data.store import SPLITS, SplitWriter, write_index
 from cnnpipe.files import write_json
@@ -115,8 +115,8 @@ def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, dig
                    classes: list[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Positions per split, and what the data report says of them: the source's own splits kept,
     missing ones carved out by content (`content_split`: a new photo never moves an old one), then
-    made sticky (`sticky`: what the previous store held keeps its split, re-encodes too; twins under
-    several labels go to the most held-out split); unusable images take no part.
+    made sticky and kept together (`sticky`: what the previous store held keeps its split, re-encodes
+    too; copies and groups go to the most held-out split of any member); unusable images take no part.
 
     Only images without a given split are carved: a manifest row marked `train` stays in train. A
     source that marks every image (a tree with train/ but no test/, a manifest without blank split
@@ -125,40 +125,33 @@ def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, dig
     names = np.where(given == "", "train", given).astype(object)
     carved = [(s, f) for s, f in (("test", cfg.test_fraction), ("val", cfg.val_fraction))
               if s not in listing.given_splits]
-    pool = np.flatnonzero(usable & (given == ""))
-    if not len(pool):
-        pool = np.flatnonzero(usable & (given == "train"))
-    report: dict[str, Any] = {"label_conflicts": [], "num_label_conflicts": 0}
+    # The images whose split `prepare` assigns: the unmarked ones, or, in a source that marks all,
+    # its train images when a split is missing (nothing else moves a split the source gives).
+    unmarked = given == ""
+    pool = np.flatnonzero(usable & (unmarked if unmarked.any() else (given == "train") & bool(carved)))
     groups = listing.entries.group_codes()
-    if carved and len(pool):
-        keys = split_keys(digests, groups, listing.entries.groups)
-        names[pool] = content_split(HexDigests(keys[pool]), labels[pool], carved, seed)
+    report: dict[str, Any] = {"label_conflicts": [], "num_label_conflicts": 0}
+    if len(pool):
         paths = listing.entries.paths
-        report["kept_from_previous_store"] = {
-            **keep_previous(names, pool, digests, paths, previous, {s for s, _ in carved} | {"train"}),
-            "split_rule_changed": not previous.same_rule}
+        if carved:
+            keys = split_keys(digests, groups, listing.entries.groups)
+            names[pool] = content_split(HexDigests(keys[pool]), labels[pool], carved, seed)
+        report["kept_from_previous_store"] = {**keep_previous(names, pool, digests, paths, previous),
+                                              "split_rule_changed": not previous.same_rule}
         movable = np.zeros(len(names), dtype=bool)
         movable[pool] = True
         members = np.flatnonzero(usable)
-        report["label_conflicts"], report["num_label_conflicts"] = twins_to_the_most_held_out(
-            names, members, movable, digests, labels, paths, classes)
-        grouped = members[groups[members] >= 0]
-        report["groups"] = {"groups": len(listing.entries.groups), "photos_in_groups": len(grouped),
-                            "moved_to_join_their_group": _moved(names, grouped, movable, groups)}
+        report["moved_to_join_a_copy_or_group"] = colocate(names, members, movable, digests, groups)
+        report["label_conflicts"], report["num_label_conflicts"] = label_conflicts(
+            names, members, digests, labels, paths, classes)
+        report["groups"] = {"groups": len(listing.entries.groups),
+                            "photos_in_groups": int(np.sum(groups[members] >= 0))}
     caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
     splits = {}
     for split, cap in caps.items():
         members = np.flatnonzero(usable & (names == split))
         splits[split] = members[stable_cap(labels[members], digests[members], cap, seed)]
     return splits, report
-
-
-def _moved(names: np.ndarray, grouped: np.ndarray, movable: np.ndarray, groups: np.ndarray) -> int:
-    """`colocate` the photos of each group; how many changed split to join theirs."""
-    before = names[grouped].copy()
-    for _ in colocate(names, grouped, movable, groups):
-        pass
-    return int(np.sum(names[grouped] != before))
 
 
 def _split_codes(lengths: list[int]) -> np.ndarray:

@@ -2,30 +2,32 @@
 
 `content_split` alone keys an image's split on its bytes, so a photo re-encoded by a CDN, an EXIF
 edit or a new export draws a new split: ~80% of re-exported test photos would go to train, and a
-model compared on "the same test set" would have trained on part of it. Two rules close that:
+model compared on "the same test set" would have trained on part of it. These rules close that:
 
 - **Sticky.** An image the previous store held keeps that split, found by content hash, else by
   source path (a re-encode: same path, new bytes). So does an image a small class lent to a
   held-out split: it never returns to train.
-- **Twins.** Identical bytes all go to the most held-out split any copy has (test, then val, then
-  train): a copy in train would be a test image the model has seen. Copies under several labels are
+- **Together.** Identical bytes, and the photos of one group (a manifest's `group` column, a product
+  id, which also draws one split per group), all go to the most held-out split any of them has
+  (test, then val, then train), through chains too (a copy of one group's photo in another group):
+  a copy in train would be a test image the model has seen. Copies under several labels are
   reported by path: one of the labels is wrong.
-- **Groups.** A manifest's `group` column (a product id) draws one split per group, and every
-  photo of a group ends in the most held-out split any of them has.
 - **Stable caps.** `data.max_train_images` and `data.max_eval_images` keep each class's images with
   the lowest content hash, so a new photo changes a capped set by at most a class quota, never
   redraws it.
 
-Both apply to the images whose split `prepare` assigns; a split the source gives (a split folder,
-a manifest's split cell) is the user's and stays as given.
+They move only the images whose split `prepare` assigns; a split the source gives (a split folder,
+a manifest's split cell) is the user's and stays as given. A held-out image stays held out even
+when the source starts giving that split for other images.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +60,7 @@ class PreviousSplits:
     fractions are asked for to redraw the splits."""
 
     def __init__(self, store: Path, rule: dict[str, Any]) -> None:
-        digests, paths, codes = bytearray(), [], []
+        digests, paths, codes = bytearray(), array.array("Q"), array.array("b")
         rule_file = store / SPLIT_RULE_FILE
         self.same_rule = not rule_file.exists() or json.loads(rule_file.read_text()) == rule
         for code, split in enumerate(SPLITS):
@@ -72,9 +74,12 @@ class PreviousSplits:
                     paths.append(path_key(item["source"]))
                     codes.append(code)
         all_digests = np.frombuffer(bytes(digests), dtype="S32")
-        all_paths = np.array(paths, dtype=np.uint64)
-        all_codes = np.array(codes, dtype=np.int8)
-        by_digest, by_path = np.argsort(all_digests, kind="stable"), np.argsort(all_paths, kind="stable")
+        all_paths = np.frombuffer(paths, dtype=np.uint64)
+        all_codes = np.frombuffer(codes, dtype=np.int8)
+        # Within equal keys the most held-out split first: a digest the old store had in train and in
+        # test (leakage it reported) is found as test.
+        by_digest = np.lexsort((-all_codes, all_digests))
+        by_path = np.lexsort((-all_codes, all_paths))
         self.digests, self.digest_codes = all_digests[by_digest], all_codes[by_digest]
         self.paths, self.path_codes = all_paths[by_path], all_codes[by_path]
 
@@ -96,47 +101,81 @@ def _find(table: np.ndarray, codes: np.ndarray, wanted: np.ndarray) -> np.ndarra
 
 
 def keep_previous(names: np.ndarray, pool: np.ndarray, digests: np.ndarray, paths: Sequence[str],
-                  previous: PreviousSplits, allowed: set[str]) -> dict[str, int]:
-    """In place: each `pool` image the previous store held goes back to its split, when that split is
-    still one `prepare` assigns (`allowed`). Returns what was kept, for the data report."""
+                  previous: PreviousSplits) -> dict[str, int]:
+    """In place: each `pool` image the previous store held goes back to that split (a held-out image
+    stays held out even where the source now gives that split for other images). Returns what was
+    kept, for the data report."""
     by_content, by_path = previous.codes(digests[pool], [paths[i] for i in pool])
     previous_code = np.where(by_content >= 0, by_content, by_path)
-    keep = np.isin(previous_code, [SPLITS.index(s) for s in allowed])  # -1 (not held before) is never in
+    keep = previous_code >= 0
     wanted = np.array(SPLITS, dtype=object)[previous_code[keep]]
     held = int(np.sum(names[pool[keep]] != wanted))
     names[pool[keep]] = wanted
-    return {"kept_by_content": int(np.sum(keep & (by_content >= 0))),
+    return {"kept_by_content": int(np.sum(by_content >= 0)),
             "kept_by_path_after_new_bytes": int(np.sum(keep & (by_content < 0))),
             "held_where_the_hash_would_move_them": held}
 
 
-def colocate(names: np.ndarray, members: np.ndarray, movable: np.ndarray, keys: np.ndarray) -> Iterator[np.ndarray]:
-    """In place: the `members` that share a key all go to the most held-out split any of them has;
-    only the `movable` ones (a boolean mask: the splits `prepare` assigns) move. Yields each group
-    of two or more (positions), after moving it. One sort, whatever the number of groups."""
-    order = members[np.argsort(keys[members], kind="stable")]
-    ordered = keys[order]
+def _segments(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order that sorts `values`, each sorted item's segment number among equal values)."""
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    return order, np.cumsum(np.r_[True, ordered[1:] != ordered[:-1]]) - 1
+
+
+def _joined(keys: Sequence[np.ndarray]) -> np.ndarray:
+    """Connected components of items linked by equal values in any of `keys` (A = B by content, B ~ C
+    by group, C = D by content: one component): each item's component id, by min-propagation, one
+    sort per key and round. Rounds grow with the longest chain, which real catalogs keep short."""
+    component = np.arange(len(keys[0]))
+    while True:
+        before = component.copy()
+        for key in keys:
+            order, segment = _segments(key)
+            lowest = np.full(segment[-1] + 1, len(component))
+            np.minimum.at(lowest, segment, component[order])
+            component[order] = lowest[segment]
+        if np.array_equal(component, before):
+            return component
+
+
+def colocate(names: np.ndarray, members: np.ndarray, movable: np.ndarray, digests: np.ndarray,
+             groups: np.ndarray) -> int:
+    """In place: `members` joined by identical bytes or by a group (-1: none), directly or through a
+    chain, all go to the most held-out split any of them has; only the `movable` ones (a boolean
+    mask: the splits `prepare` assigns) move. Returns how many moved."""
+    if not len(members):
+        return 0
+    lone = -1 - np.arange(len(members), dtype=np.int64)  # no group: a group of one
+    component = _joined([digests[members], np.where(groups[members] >= 0, groups[members], lone)])
+    rank = np.array([HELD_OUT_RANK[name] for name in names[members]], dtype=np.int64)
+    order, segment = _segments(component)
+    top = np.zeros(segment[-1] + 1, dtype=np.int64)
+    np.maximum.at(top, segment, rank[order])
+    target = np.empty_like(rank)
+    target[order] = top[segment]
+    move = movable[members] & (target != rank)
+    names[members[move]] = np.array(list(HELD_OUT_RANK), dtype=object)[target[move]]
+    return int(np.sum(move))
+
+
+def label_conflicts(names: np.ndarray, members: np.ndarray, digests: np.ndarray, labels: np.ndarray,
+                    paths: Sequence[str], classes: Sequence[str]) -> tuple[list[dict[str, Any]], int]:
+    """Identical bytes under several labels (one label is wrong): the first `MAX_LISTED` (hash,
+    labels, paths, split) and how many there are."""
+    order = members[np.argsort(digests[members], kind="stable")]
+    ordered = digests[order]
     starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if len(order) else np.zeros(0, int)
     ends = np.r_[starts[1:], len(order)]
+    conflicts, count = [], 0
     for a, b in zip(starts[ends - starts > 1], ends[ends - starts > 1]):
         group = order[a:b]
-        names[group[movable[group]]] = max(names[group], key=HELD_OUT_RANK.__getitem__)
-        yield group
-
-
-def twins_to_the_most_held_out(names: np.ndarray, members: np.ndarray, movable: np.ndarray, digests: np.ndarray,
-                               labels: np.ndarray, paths: Sequence[str],
-                               classes: Sequence[str]) -> tuple[list[dict[str, Any]], int]:
-    """`colocate` by content: copies of one label can be apart too (one kept by its path after a
-    re-encode, its new twin not). Returns the first `MAX_LISTED` conflicts, copies under several
-    labels (hash, labels, paths, split), and how many there are."""
-    conflicts, count = [], 0
-    for group in colocate(names, members, movable, digests):
         if len(np.unique(labels[group])) < 2:
             continue
         count += 1
         if len(conflicts) < MAX_LISTED:
-            conflicts.append({"sha256": digest_at(digests, int(group[0])).hex(), "split": max(names[group], key=HELD_OUT_RANK.__getitem__),
+            conflicts.append({"sha256": digest_at(digests, int(group[0])).hex(),
+                              "split": max(names[group], key=HELD_OUT_RANK.__getitem__),
                               "labels": sorted({classes[k] for k in labels[group]}),
                               "paths": [paths[i] for i in group]})
     return conflicts, count
