@@ -136,14 +136,22 @@ def test_a_killed_prepare_continues_where_it_stopped(tmp_path):
     assert store_pixels(tmp_path / "p") == store_pixels(tmp_path / "scratch")
 
 
+def _journal_of_three(work: Path, wanted: dict, image: np.ndarray):
+    """An open journal holding three decoded images: keys 0-2, pixels `image + key`."""
+    from cnnpipe.data.ingest import Journal
+
+    journal = Journal(work, wanted)
+    for key in range(3):
+        journal.record(key, bytes([key]) * 32, image + key, None)
+    return journal
+
+
 def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
     from cnnpipe.data.ingest import Journal
 
     wanted = {"size": 2, "channels": 3}
     image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
-    journal = Journal(tmp_path / "w", wanted)
-    for key in range(3):
-        journal.record(key, bytes([key]) * 32, image + key, None)
+    journal = _journal_of_three(tmp_path / "w", wanted, image)
     journal.record(3, bytes([3]) * 32, None, "cannot be decoded")
     journal.close()
     with open(tmp_path / "w" / "journal.jsonl", "ab") as fh:  # killed mid-line, after the pixels
@@ -165,6 +173,26 @@ def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
     journal.close()
     journal = Journal(tmp_path / "w", {"size": 4, "channels": 3})
     assert len(journal) == 0  # another recipe starts over
+    journal.close()
+
+
+def test_a_journal_whose_last_frame_was_cut_decodes_that_image_again(tmp_path):
+    from cnnpipe.data.ingest import Journal
+
+    wanted = {"size": 2, "channels": 3}
+    image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
+    _journal_of_three(tmp_path / "w", wanted, image).close()
+    lines = (tmp_path / "w" / "journal.jsonl").read_text().splitlines()
+    assert len(lines) == 3  # close() wrote the lines its fsync made safe
+    pixels = tmp_path / "w" / "decoded.u8"
+    with open(pixels, "r+b") as fh:  # a power cut kept the lines but not the last frame's blocks
+        fh.truncate(2 * 12 + 5)
+
+    journal = Journal(tmp_path / "w", wanted)
+    assert len(journal) == 2 and journal.rows == 2 and journal.lookup(2) is None
+    assert pixels.stat().st_size == 2 * 12  # the torn frame is cut, never padded with zeros
+    assert journal.record(2, bytes([2]) * 32, image + 2, None) == 2
+    assert np.array_equal(journal.pixels(2), image + 2) and np.array_equal(journal.pixels(1), image + 1)
     journal.close()
 
 

@@ -1,5 +1,5 @@
 """Ingest that survives any file: each odd file or folder is listed with its reason, the rest is
-prepared; explicit splits are never carved; a journal whose pixels were cut decodes them again."""
+prepared; explicit splits are never carved."""
 
 import json
 import os
@@ -134,29 +134,6 @@ def test_rows_marked_train_are_never_carved_into_val_or_test(tmp_path):
     assert held_out and not held_out & marked  # carved from the 40 blank rows only
     assert marked <= set(_sources(tmp_path / "p", "train"))
     assert report["splits"]["val"] + report["splits"]["test"] == len(held_out) < 40
-
-
-def test_a_journal_whose_last_frame_was_cut_decodes_that_image_again(tmp_path):
-    from cnnpipe.data.ingest import Journal
-
-    wanted = {"size": 2, "channels": 3}
-    image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
-    journal = Journal(tmp_path / "w", wanted)
-    for key in range(3):
-        journal.record(key, bytes([key]) * 32, image + key, None)
-    journal.close()
-    lines = (tmp_path / "w" / "journal.jsonl").read_text().splitlines()
-    assert len(lines) == 3  # close() wrote the lines its fsync made safe
-    pixels = tmp_path / "w" / "decoded.u8"
-    with open(pixels, "r+b") as fh:  # a power cut kept the lines but not the last frame's blocks
-        fh.truncate(2 * 12 + 5)
-
-    journal = Journal(tmp_path / "w", wanted)
-    assert len(journal) == 2 and journal.rows == 2 and journal.lookup(2) is None
-    assert pixels.stat().st_size == 2 * 12  # the torn frame is cut, never padded with zeros
-    assert journal.record(2, bytes([2]) * 32, image + 2, None) == 2
-    assert np.array_equal(journal.pixels(2), image + 2) and np.array_equal(journal.pixels(1), image + 1)
-    journal.close()
 
 
 def test_long_lists_of_skipped_files_stay_out_of_the_git_tracked_report(tmp_path):

@@ -168,25 +168,25 @@ def _walk(directory: str, root: Path, skipped: list[dict[str, str]],
     """Files below `directory`, depth first in name order, skipping dot-files and dot-folders.
     Folder symlinks are followed, except one back to a folder `above` it (a loop, which would list
     every file dozens of times before the system's ELOOP): that one is skipped and reported."""
+    def skip(path: str, reason: str) -> None:
+        skipped.append({"path": printable(os.path.relpath(path, root)), "reason": reason})
+
     try:
         above = above | {_file_id(directory)}
         with os.scandir(directory) as it:
             children = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
     except OSError as exc:  # a folder we may not read (lost+found on a data volume)
-        skipped.append({"path": printable(os.path.relpath(directory, root)),
-                        "reason": f"unreadable: {exc.strerror or exc}"})
+        skip(directory, f"unreadable: {exc.strerror or exc}")
         return
     for child in children:
         try:
             is_dir = child.is_dir()
             loop = is_dir and _file_id(child.path) in above
         except OSError as exc:  # a symlink to itself: ELOOP
-            skipped.append({"path": printable(os.path.relpath(child.path, root)),
-                            "reason": f"unreadable: {exc.strerror or exc}"})
+            skip(child.path, f"unreadable: {exc.strerror or exc}")
             continue
         if loop:
-            skipped.append({"path": printable(os.path.relpath(child.path, root)),
-                            "reason": "a symlink to a folder above it (a loop): not followed"})
+            skip(child.path, "a symlink to a folder above it (a loop): not followed")
         elif is_dir:
             yield from _walk(child.path, root, skipped, above)
         elif child.is_file():
@@ -245,10 +245,7 @@ def list_folder(root: Path) -> Listing:
         refuse_flat_folder(directory)
         above = frozenset({_file_id(str(root)), _file_id(str(directory))})
         for class_dir in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            if not is_utf8(class_dir.name):
-                folders.add(printable(class_dir.name))  # its files are refused one by one
-            else:
-                folders.add(class_dir.name)
+            folders.add(printable(class_dir.name))  # not UTF-8: its files are refused one by one
             _add_class(listing, class_dir, class_dir.name, split, above)
         listing.ignored += [printable(os.path.relpath(p, root)) for p in sorted(directory.iterdir())
                             if p.is_file() and not p.name.startswith(".")]

@@ -307,9 +307,13 @@ def ingest_files(paths: Sequence[str], size: int, max_pixels: int,
         try:
             out.append(_ingest_file(path, size, max_pixels, prefixes_file))
         except Exception as exc:  # noqa: BLE001 - one odd file must not stop the catalog, nor lose its name
-            digest = hashlib.sha256(os.fsencode(path)).digest()
-            out.append((digest, None, f"cannot be read: {type(exc).__name__}: {exc}", False))
+            out.append(_unusable(path, f"cannot be read: {type(exc).__name__}: {exc}"))
     return out
+
+
+def _unusable(path: str, reason: str) -> tuple[bytes, None, str, bool]:
+    """The outcome of a file whose bytes could not be had: keyed by the hash of its path."""
+    return hashlib.sha256(os.fsencode(path)).digest(), None, reason, False
 
 
 def _ingest_file(path: str, size: int, max_pixels: int,
@@ -317,8 +321,7 @@ def _ingest_file(path: str, size: int, max_pixels: int,
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
-        digest = hashlib.sha256(os.fsencode(path)).digest()
-        return digest, None, f"unreadable: {exc.strerror or exc}", False
+        return _unusable(path, f"unreadable: {exc.strerror or exc}")
     digest = hashlib.sha256(data).digest()
     if _is_known(digest, prefixes_file):
         return digest, None, None, True

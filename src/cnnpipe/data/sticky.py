@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -37,7 +38,8 @@ from cnnpipe.data.ingest import digest_at
 from cnnpipe.data.split import hashed_unit
 from cnnpipe.data.store import SPLITS
 
-HELD_OUT_RANK = {"train": 0, "val": 1, "test": 2}
+HELD_OUT_RANK = {split: code for code, split in enumerate(SPLITS)}  # SPLITS runs train, val, test
+SPLIT_NAMES = np.array(SPLITS, dtype=object)  # split code -> name
 SPLIT_RULE_FILE = "split_rule.json"
 MAX_LISTED = 100  # conflicts listed in the data report (all are counted)
 
@@ -108,7 +110,7 @@ def keep_previous(names: np.ndarray, pool: np.ndarray, digests: np.ndarray, path
     by_content, by_path = previous.codes(digests[pool], [paths[i] for i in pool])
     previous_code = np.where(by_content >= 0, by_content, by_path)
     keep = previous_code >= 0
-    wanted = np.array(SPLITS, dtype=object)[previous_code[keep]]
+    wanted = SPLIT_NAMES[previous_code[keep]]
     held = int(np.sum(names[pool[keep]] != wanted))
     names[pool[keep]] = wanted
     return {"kept_by_content": int(np.sum(by_content >= 0)),
@@ -155,7 +157,7 @@ def colocate(names: np.ndarray, members: np.ndarray, movable: np.ndarray, digest
     target = np.empty_like(rank)
     target[order] = top[segment]
     move = movable[members] & (target != rank)
-    names[members[move]] = np.array(list(HELD_OUT_RANK), dtype=object)[target[move]]
+    names[members[move]] = SPLIT_NAMES[target[move]]
     return int(np.sum(move))
 
 
@@ -163,14 +165,15 @@ def label_conflicts(names: np.ndarray, members: np.ndarray, digests: np.ndarray,
                     paths: Sequence[str], classes: Sequence[str]) -> tuple[list[dict[str, Any]], int]:
     """Identical bytes under several labels (one label is wrong): the first `MAX_LISTED` (hash,
     labels, paths, split) and how many there are."""
-    order = members[np.argsort(digests[members], kind="stable")]
-    ordered = digests[order]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if len(order) else np.zeros(0, int)
-    ends = np.r_[starts[1:], len(order)]
     conflicts, count = [], 0
-    for a, b in zip(starts[ends - starts > 1], ends[ends - starts > 1]):
+    if not len(members):
+        return conflicts, count
+    order, segment = _segments(digests[members])
+    order = members[order]
+    bounds = np.flatnonzero(np.r_[True, segment[1:] != segment[:-1], True])
+    for a, b in itertools.pairwise(bounds):
         group = order[a:b]
-        if len(np.unique(labels[group])) < 2:
+        if len(group) < 2 or len(np.unique(labels[group])) < 2:
             continue
         count += 1
         if len(conflicts) < MAX_LISTED:
