@@ -7,16 +7,21 @@ ratios catalogs have, one folder per category; then times, each in a fresh proce
 2. a full prepare of the catalog;
 3. the weekly update: 10% new photos added, prepared against the store of step 2.
 
-Prints images/s (and per decoding worker), the main process's peak RSS and the largest worker's,
-and the update's time as a share of the full prepare. Writes bench_out/prepare_scale.json.
+Prints images/s (and per decoding worker), the main process's peak RSS (and per listed image) and
+the largest worker's, and the update's time as a share of the full prepare. Both stores of steps 2
+and 3 are added to a real DVC cache (`dvc add`, in a project of its own under --dir): the update's
+bytes written, how many old shards kept their md5, and how much the DVC cache grew, against the
+store's size. Writes bench_out/prepare_scale.json.
 
     python bench/prepare_scale.py                        # 100k images + 10k new, 100 categories
+    python bench/prepare_scale.py --classes 1000         # peak RSS per image with 1,000 categories
     python bench/prepare_scale.py --images 20000 --stored-size 224
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import resource
@@ -37,8 +42,8 @@ import json, os, resource, sys, threading, time
 from pathlib import Path
 from cnnpipe.config import DataConfig
 from cnnpipe.data.prepare import prepare
-source, out, size, workers = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-cfg = DataConfig(source=source, stored_size=size, image_size=size,
+source, out, size, workers, shard_mb = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+cfg = DataConfig(source=source, stored_size=size, image_size=size, shard_mb=float(shard_mb),
                  prepare_workers=workers if workers == "auto" else int(workers))
 peaks, stop = {}, threading.Event()
 def watch():
@@ -96,10 +101,28 @@ def make_catalog(root: Path, start: int, stop: int, classes: int, seed: int) -> 
         pool.map(_write, [(root, i, classes, seed) for i in range(start, stop)], chunksize=64)
 
 
-def run_prepare(source: Path, out: Path, size: int, workers: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PREPARE_ONE, str(source), str(out), str(size), workers],
-                          capture_output=True, text=True, check=True)
+def run_prepare(source: Path, out: Path, size: int, workers: str, shard_mb: float) -> dict:
+    done = subprocess.run([sys.executable, "-c", PREPARE_ONE, str(source), str(out), str(size), workers,
+                           str(shard_mb)], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def shard_md5s(store: Path) -> dict[str, str]:
+    """md5 of every shard file: what DVC keys its cache on."""
+    out = {}
+    for path in sorted((store / "shards").glob("*.u8")):
+        digest = hashlib.md5()
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                digest.update(chunk)
+        out[path.name] = digest.hexdigest()
+    return out
+
+
+def dvc_add(project: Path, target: str) -> int:
+    """`dvc add` the store into the project's cache; returns the cache's size in bytes after."""
+    subprocess.run([sys.executable, "-m", "dvc", "add", "-q", target], cwd=project, check=True)
+    return sum(p.stat().st_size for p in (project / ".dvc" / "cache").rglob("*") if p.is_file())
 
 
 def main() -> None:
@@ -110,6 +133,7 @@ def main() -> None:
     parser.add_argument("--workers", default="auto")
     parser.add_argument("--dir", type=Path, default=Path("bench_out/prepare_scale"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard-mb", type=float, default=64.0)
     args = parser.parse_args()
     catalog, new = args.images, args.images // 10
     root = args.dir / "catalog"
@@ -130,27 +154,47 @@ def main() -> None:
     subset.write_text("path,label\n" + "".join(f"catalog/category_{i % args.classes:03d}/sku_{i:07d}.jpg,"
                                                f"category_{i % args.classes:03d}\n" for i in range(catalog // 10)))
     store = args.dir / "prepared"
-    for leftover in (store, args.dir / "prepared_tenth"):
-        subprocess.run(["rm", "-rf", str(leftover), str(leftover) + ".work"], check=True)
-    tenth = run_prepare(subset, args.dir / "prepared_tenth", args.stored_size, args.workers)
-    full = run_prepare(root, store, args.stored_size, args.workers)
+    for leftover in (store, args.dir / "prepared_tenth", args.dir / ".dvc"):
+        subprocess.run(["rm", "-rf", str(leftover), str(leftover) + ".work", str(leftover) + ".dvc"], check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=args.dir, check=True)
+    tenth = run_prepare(subset, args.dir / "prepared_tenth", args.stored_size, args.workers, args.shard_mb)
+    full = run_prepare(root, store, args.stored_size, args.workers, args.shard_mb)
+    cache_full, md5_full = dvc_add(args.dir, "prepared"), shard_md5s(store)
     for photo in sorted(spare.glob("*/sku_*.jpg")):
         photo.rename(root / photo.parent.name / photo.name)
-    update = run_prepare(root, store, args.stored_size, args.workers)
+    update = run_prepare(root, store, args.stored_size, args.workers, args.shard_mb)
+    cache_update, md5_update = dvc_add(args.dir, "prepared"), shard_md5s(store)
+    index = json.loads((store / "index.json").read_text())
+    frame = args.stored_size**2 * 3
+    store_bytes = sum(s["rows"] for s in index["shards"]) * frame
+    dvc = {"store_bytes": store_bytes, "shards_before": len(md5_full),
+           "old_shards_unchanged": sum(md5_update.get(k) == v for k, v in md5_full.items()),
+           "new_pixel_bytes": update["work"]["decoded"] * frame,
+           "written_bytes": index["last_update"]["written_bytes"],
+           "cache_after_full": cache_full, "cache_growth": cache_update - cache_full}
 
     workers = full["work"]["workers"]
     rows = [("a tenth (manifest)", tenth), ("full catalog", full), ("+10% new photos", update)]
     print(f"\nprepare at stored_size {args.stored_size}, {workers} worker(s) on {usable_cores()} usable core(s)")
-    print(f"{'run':<20}{'images':>9}{'decoded':>9}{'copied':>9}{'seconds':>9}{'img/s':>8}{'per worker':>11}"
-          f"{'RSS main':>10}{'RSS worker':>11}")
+    print(f"{'run':<20}{'images':>9}{'decoded':>9}{'kept':>9}{'seconds':>9}{'img/s':>8}{'per worker':>11}"
+          f"{'RSS main':>10}{'per image':>10}{'RSS worker':>11}")
     for name, r in rows:
-        speed = r["images"] / r["seconds"]
-        print(f"{name:<20}{r['images']:>9}{r['work']['decoded']:>9}{r['work']['copied']:>9}{r['seconds']:>9.1f}"
-              f"{speed:>8.0f}{speed / workers:>11.0f}{r['rss_main_mb']:>8.0f}MB{r['rss_worker_mb']:>9.0f}MB")
+        speed, listed = r["images"] / r["seconds"], r["work"]["listed"]
+        print(f"{name:<20}{r['images']:>9}{r['work']['decoded']:>9}{r['work']['kept']:>9}{r['seconds']:>9.1f}"
+              f"{speed:>8.0f}{speed / workers:>11.0f}{r['rss_main_mb']:>8.0f}MB{r['rss_main_mb'] * 2**20 / listed:>9.0f}B"
+              f"{r['rss_worker_mb']:>9.0f}MB")
+    marginal = (full["rss_main_mb"] - tenth["rss_main_mb"]) * 2**20 / (full["work"]["listed"] - tenth["work"]["listed"])
     print(f"\nupdate / full prepare: {update['seconds'] / full['seconds']:.3f}; "
-          f"main RSS, full / tenth: {full['rss_main_mb'] / tenth['rss_main_mb']:.2f}x for 10x the images")
-    out = {"images": catalog, "new": new, "stored_size": args.stored_size, "workers": workers,
-           "tenth": tenth, "full": full, "update": update,
+          f"main RSS, full / tenth: {full['rss_main_mb'] / tenth['rss_main_mb']:.2f}x for 10x the images, "
+          f"{marginal:,.0f} bytes per extra image")
+    print(f"store: {store_bytes / 2**20:,.0f} MiB of pixels in {len(md5_update)} shards of {args.shard_mb:g} MiB; "
+          f"the update kept {dvc['old_shards_unchanged']} of {dvc['shards_before']} old shards byte for byte, "
+          f"wrote {dvc['written_bytes'] / 2**20:,.1f} MiB of pixels ({dvc['new_pixel_bytes'] / 2**20:,.1f} MiB new), "
+          f"and grew the DVC cache by {dvc['cache_growth'] / 2**20:,.1f} MiB "
+          f"({dvc['cache_growth'] / store_bytes:.1%} of the store)")
+    out = {"images": catalog, "new": new, "classes": args.classes, "stored_size": args.stored_size,
+           "workers": workers, "shard_mb": args.shard_mb, "tenth": tenth, "full": full, "update": update, "dvc": dvc,
+           "rss_bytes_per_extra_image": marginal,
            "max_rss_self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     (args.dir.parent / "prepare_scale.json").write_text(json.dumps(out, indent=2))
 

@@ -25,9 +25,9 @@ def main() -> int:
     print(f"prepare: {report['splits']} ({report['num_bad']} bad files, {len(report['leakage'])} leaked duplicates)")
     if report.get("work"):
         work = report["work"]
-        print(f"prepare: {work['listed']} images listed: {work['decoded']} decoded, {work['copied']} copied from the "
-              f"previous store ({work['unchanged_not_read']} unchanged files not read), {work['resumed']} kept from "
-              f"an interrupted run; {work['workers']} worker(s)")
+        print(f"prepare: {work['listed']} images listed: {work['decoded']} decoded, {work['kept']} kept in the "
+              f"previous store's shards and {work['copied']} copied from it ({work['unchanged_not_read']} unchanged "
+              f"files not read), {work['resumed']} kept from an interrupted run; {work['workers']} worker(s)")
     if report.get("num_label_conflicts"):
         print(f"prepare: WARNING: {report['num_label_conflicts']} image(s) found under several labels (all copies "
               "held out; see label_conflicts in the data report)", file=sys.stderr)

@@ -45,7 +45,7 @@ def test_adding_images_decodes_only_the_new_ones_and_matches_a_full_prepare(tmp_
     make_catalog(root, 200, 220)
     second = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     assert second["work"]["decoded"] == 20 and second["work"]["read"] == 20
-    assert second["work"]["copied"] == 200 and second["work"]["unchanged_not_read"] == 200
+    assert second["work"]["kept"] == 200 and second["work"]["copied"] == 0 and second["work"]["unchanged_not_read"] == 200
 
     full = prepare(cfg, 0, tmp_path / "scratch", tmp_path / "r2.json")
     assert full["work"]["decoded"] == 220
@@ -62,7 +62,7 @@ def test_a_recopied_catalog_is_read_once_but_not_decoded_again(tmp_path):
     time.sleep(0.01)
     shutil.copytree(tmp_path / "catalog", tmp_path / "copy", copy_function=shutil.copy)
     again = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
-    assert again["work"]["read"] == 120 and again["work"]["decoded"] == 0 and again["work"]["copied"] == 120
+    assert again["work"]["read"] == 120 and again["work"]["decoded"] == 0 and again["work"]["kept"] == 120
 
 
 def test_every_stored_hash_is_the_files_whole_sha256(tmp_path):
@@ -78,7 +78,7 @@ def test_every_stored_hash_is_the_files_whole_sha256(tmp_path):
     shutil.copytree(root, tmp_path / "copy", copy_function=shutil.copy)  # new mtimes: copied by hash
     again = prepare(DataConfig(source=str(tmp_path / "copy"), stored_size=8, image_size=8, prepare_workers=1),
                     0, tmp_path / "p", tmp_path / "r.json")
-    assert again["work"]["decoded"] == 0 and again["work"]["copied"] == seed
+    assert again["work"]["decoded"] == 0 and again["work"]["kept"] == seed
     for split in ("train", "val", "test"):
         for line in (tmp_path / "p" / f"{split}_meta.jsonl").read_text().splitlines():
             item = json.loads(line)

@@ -196,3 +196,22 @@ def test_blank_rows_join_their_group_and_held_out_photos_stay_held_out_when_the_
     assert not set(week1["test"]) & set(week2["train"])  # test is no longer carved, yet they stay out
     assert set(week1["test"]) <= set(week2["test"]) | set(week2["val"])
     assert "img/070.png" in week2["test"] and report["moved_to_join_a_copy_or_group"] >= 1
+
+
+def test_a_folder_tree_groups_photos_by_a_file_name_rule(tmp_path):
+    """`data.group_pattern`: sku0007_front.jpg and sku0007_back.jpg of one class share a split; the
+    same product id under another class is another group."""
+    root = tmp_path / "catalog"
+    for sku in range(30):
+        for view in ("front", "back", "side"):
+            save_image(root / "shoes" / f"sku{sku:04d}_{view}.png", colour_image(sku * 10 + len(view), (12, 12)))
+    save_image(root / "bags" / "sku0000_front.png", colour_image(999, (12, 12)))
+    for i in range(20):
+        save_image(root / "bags" / f"loose{i}.png", colour_image(500 + i, (12, 12)))
+    cfg = DataConfig(source=str(root), stored_size=8, image_size=8, prepare_workers=1, group_pattern=r"^(sku\d+)_")
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    split_of = {path: split for split, items in _store(tmp_path / "p").items() for path in items}
+    for sku in range(30):
+        assert len({split_of[f"shoes/sku{sku:04d}_{view}.png"] for view in ("front", "back", "side")}) == 1
+    assert {split_of[p] for p in split_of if p.startswith("shoes/")} == {"train", "val", "test"}
+    assert report["groups"] == {"groups": 31, "photos_in_groups": 91}

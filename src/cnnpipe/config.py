@@ -7,6 +7,7 @@ a variant's overrides is `cnnpipe.params`. The defaults here equal params.yaml's
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,6 +47,13 @@ class DataConfig:
     """`skip` lists broken files in metrics/data_report.json; `fail` stops the stage."""
     prepare_workers: int | Literal["auto"] = "auto"
     """Decoder processes used by `prepare` for image files; `auto`: the CPUs this process may use."""
+    group_pattern: str | None = None
+    """A regex with one capture group, matched against each file name: photos of one class whose
+    names give the same group (`^([^_]+)_`: sku123_front.jpg, sku123_back.jpg) share a split. For
+    folder trees, and manifest rows without a `group` cell; null: no grouping by name."""
+    shard_mb: float = 64
+    """Size of a full shard of the prepared store, in MiB (MDS and LitData default to 64): a full shard
+    is never rewritten, so each update's new images cost about their own bytes in the DVC cache."""
 
     def __post_init__(self) -> None:
         for key in ("image_size", "stored_size"):
@@ -59,6 +67,14 @@ class DataConfig:
             value = getattr(self, key)
             if value is not None and value < 10:
                 reject(f"data.{key}", value, "null (all) or an integer >= 10")
+        if self.group_pattern is not None:
+            try:
+                if re.compile(self.group_pattern).groups < 1:
+                    reject("data.group_pattern", self.group_pattern, "a regex with one capture group, e.g. ^([^_]+)_")
+            except re.error as exc:
+                reject("data.group_pattern", self.group_pattern, f"a valid regex ({exc})")
+        if not (isinstance(self.shard_mb, (int, float)) and 0.01 <= self.shard_mb <= 4096):
+            reject("data.shard_mb", self.shard_mb, "a size in MiB in [0.01, 4096]")
         if self.max_pixels < 64:
             reject("data.max_pixels", self.max_pixels, "an integer >= 64")
         if self.prepare_workers != "auto" and not (isinstance(self.prepare_workers, int) and self.prepare_workers >= 1):

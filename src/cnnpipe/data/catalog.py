@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import codecs
 import csv
+import hashlib
 import os
+import re
 from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -49,10 +51,11 @@ class Entries(Sequence[Entry]):
     def __init__(self) -> None:
         self.paths: list[str] = []
         self.labels: list[str] = []  # the distinct class names, in order of first appearance
-        self.groups: list[str] = []  # the distinct group keys (a manifest's `group` column), likewise
         self._label_code: dict[str, int] = {}
-        self._group_code: dict[str, int] = {}
-        self._labels, self._splits, self._groups = array("i"), array("b"), array("i")
+        # A group (a manifest's `group` column) is kept as the 32-byte `group_key` of its name, not as
+        # a string in a dict: a catalog of millions of products would hold millions of them.
+        self._group_keys, self._grouped = bytearray(), array("b")
+        self._labels, self._splits = array("i"), array("b")
         self._sizes, self._mtimes = array("q"), array("q")
 
     def append(self, path: str, label: str, split: str | None, size: int, mtime_ns: int,
@@ -60,15 +63,11 @@ class Entries(Sequence[Entry]):
         code = self._label_code.setdefault(label, len(self.labels))
         if code == len(self.labels):
             self.labels.append(label)
-        group_code = -1
-        if group:
-            group_code = self._group_code.setdefault(group, len(self.groups))
-            if group_code == len(self.groups):
-                self.groups.append(group)
+        self._group_keys += group_key(group) if group else bytes(32)
+        self._grouped.append(bool(group))
         self.paths.append(path)
         self._labels.append(code)
         self._splits.append(_SPLIT_NAMES.index(split))
-        self._groups.append(group_code)
         self._sizes.append(size)
         self._mtimes.append(mtime_ns)
 
@@ -93,9 +92,30 @@ class Entries(Sequence[Entry]):
         names = np.array([*_SPLIT_NAMES[:-1], default], dtype=object)
         return names[np.frombuffer(self._splits, dtype=np.int8)]
 
+    def group_keys(self) -> np.ndarray:
+        """Each image's `group_key` (S32), zeros where it has none."""
+        return np.frombuffer(bytes(self._group_keys), dtype="S32")
+
+    def group_by_name(self, pattern: str) -> int:
+        """Give each image without a group the one `pattern` (a regex with one capture group) finds
+        in its file name, with its class: `^([^_]+)_` puts sku123_front.jpg and sku123_back.jpg of one
+        class in one group. Returns how many images it grouped."""
+        rule, found = re.compile(pattern), 0
+        for i, path in enumerate(self.paths):
+            match = None if self._grouped[i] else rule.search(os.path.basename(path))
+            if match and match.group(1):
+                name = f"{self.labels[self._labels[i]]}\0{match.group(1)}"
+                self._group_keys[32 * i : 32 * i + 32] = group_key(name)
+                self._grouped[i] = 1
+                found += 1
+        return found
+
     def group_codes(self) -> np.ndarray:
-        """Each image's group as its position in `groups`; -1 where it has none."""
-        return np.frombuffer(self._groups, dtype=np.int32)
+        """Each image's group as a number shared by the group's photos (0, 1, ...); -1 where it has none."""
+        grouped = np.frombuffer(self._grouped, dtype=np.int8).astype(bool)
+        codes = np.full(len(self), -1, dtype=np.int64)
+        codes[grouped] = np.unique(self.group_keys()[grouped], return_inverse=True)[1].reshape(-1)
+        return codes
 
     def given_splits(self) -> set[str]:
         codes = np.unique(np.frombuffer(self._splits, dtype=np.int8))
@@ -109,9 +129,10 @@ class Entries(Sequence[Entry]):
         major = split_rank * len(self.labels) + label_rank[np.frombuffer(self._labels, dtype=np.int32)]
         order = order[np.argsort(major[order], kind="stable")].tolist()
         self.paths = [self.paths[i] for i in order]
-        for name in ("_labels", "_splits", "_groups", "_sizes", "_mtimes"):
+        for name in ("_labels", "_splits", "_grouped", "_sizes", "_mtimes"):
             column = getattr(self, name)
             setattr(self, name, array(column.typecode, (column[i] for i in order)))
+        self._group_keys = bytearray(self.group_keys()[order].tobytes()) if len(self) else bytearray()
 
 
 @dataclass
@@ -135,12 +156,19 @@ class Listing:
         return self.entries.given_splits()
 
 
-def list_source(source: str | Path) -> Listing:
-    """The listing of an ImageFolder tree or of a `.csv`/`.tsv` manifest."""
+def group_key(name: str) -> bytes:
+    """32 bytes fixed by a group's name: what its photos' split is drawn from, and how they are found."""
+    return hashlib.sha256(b"group\0" + name.encode("utf-8", "surrogateescape")).digest()
+
+
+def list_source(source: str | Path, group_pattern: str | None = None) -> Listing:
+    """The listing of an ImageFolder tree or of a `.csv`/`.tsv` manifest; `group_pattern` groups the
+    photos the source leaves ungrouped by their file names (`Entries.group_by_name`)."""
     path = Path(source).expanduser()
-    if path.suffix.lower() in MANIFEST_SUFFIXES:
-        return read_manifest(path)
-    return list_folder(path)
+    listing = read_manifest(path) if path.suffix.lower() in MANIFEST_SUFFIXES else list_folder(path)
+    if group_pattern:
+        listing.entries.group_by_name(group_pattern)
+    return listing
 
 
 # --------------------------------------------------------------------------- folders

@@ -4,7 +4,7 @@
 before any decoding:
 
 - the **previous store** (`PreviousStore`): an image with the same path, size and mtime as one it
-  holds, or (after one read to hash it) the same sha256, is copied from it, not decoded, as long as
+  holds, or (after one read to hash it) the same sha256, is kept (or copied) from it, not decoded, as long as
   the store was made by the same decoding rules at the same size (`recipe`);
 - the **journal** of an interrupted run (`Journal`, in `<store>.work/`): what it decoded is kept,
   so a killed `prepare` continues where it stopped;
@@ -32,7 +32,7 @@ import numpy as np
 
 from cnnpipe.data.catalog import Entry
 from cnnpipe.data.decode import TRANSFORM, decode_bytes, decode_file
-from cnnpipe.data.store import SPLITS
+from cnnpipe.data.store import FORMAT_VERSION, SPLITS, shard_paths
 
 RECIPE_FILE = "recipe.json"
 CHUNK = 16              # images per task: amortises the inter-process round trip
@@ -109,36 +109,46 @@ def _prefix(digest: bytes) -> np.uint64:
 
 # --------------------------------------------------------------------------- the previous store
 class PreviousStore:
-    """The images of the store being replaced, found by content hash or by unchanged file stats.
+    """The images of the store being replaced, found by content hash or by unchanged file stats, with
+    the shard file and row that hold each (a store of the one-file-per-split format before shards
+    counts each split's file as one shard, to be copied from rather than kept).
 
-    Lookups are sorted numpy arrays (40 bytes an image), not dicts: at 10M images a dict of hashes
+    Lookups are sorted numpy arrays (~50 bytes an image), not dicts: at 10M images a dict of hashes
     alone would take gigabytes.
     """
 
     def __init__(self, store: Path, wanted: dict[str, Any]) -> None:
         self.store = store
         usable = (store / RECIPE_FILE).exists() and json.loads((store / RECIPE_FILE).read_text()) == wanted
+        index = json.loads((store / "index.json").read_text()) if usable and (store / "index.json").exists() else {}
+        self.sealed = index.get("format") == FORMAT_VERSION
+        self.files = shard_paths(store, index) if self.sealed else [store / f"{split}.u8" for split in SPLITS]
         empty = (np.zeros(0, dtype="S32"), np.zeros(0, dtype=np.uint64))
-        metas = [store / f"{split}_meta.jsonl" for split in SPLITS]
-        parts = [read_store_meta(meta) if usable and meta.exists() else empty for meta in metas]
+        parts, wheres = [], []
+        for code, split in enumerate(SPLITS):
+            meta = store / f"{split}_meta.jsonl"
+            parts.append(read_store_meta(meta) if index and meta.exists() else empty)
+            count = len(parts[-1][0])
+            wheres.append(np.load(store / f"{split}_rows.npy") if self.sealed and count
+                          else np.stack([np.full(count, code), np.arange(count)], axis=1).astype(np.int32))
         all_digests, all_keys = np.concatenate([d for d, _ in parts]), np.concatenate([k for _, k in parts])
-        codes = np.repeat(np.arange(len(SPLITS), dtype=np.int8), [len(d) for d, _ in parts])
-        rows = np.concatenate([np.arange(len(d)) for d, _ in parts])
+        where = np.concatenate(wheres).reshape(-1, 2)
         order = np.argsort(all_digests, kind="stable")
-        self.digests, self.split_codes, self.rows = all_digests[order], codes[order], rows[order]
+        self.digests, self.where = all_digests[order], where[order]
         by_key = np.argsort(all_keys, kind="stable")
         self.keys, self.key_digests = all_keys[by_key], all_digests[by_key]
         self.shape = (wanted["size"], wanted["size"], wanted["channels"])
-        self._files: dict[str, int] = {}
+        self._files: dict[Path, int] = {}
 
     def __len__(self) -> int:
         return len(self.digests)
 
-    def find(self, digest: bytes) -> tuple[str, int] | None:
-        """(split, row) holding the image with this sha256, or None."""
+    def find(self, digest: bytes) -> tuple[Path, int] | None:
+        """(shard file, row) holding the image with this sha256, or None."""
         i = int(np.searchsorted(self.digests, digest))
         if i < len(self.digests) and digest_at(self.digests, i) == digest:
-            return SPLITS[self.split_codes[i]], int(self.rows[i])
+            shard, row = self.where[i]
+            return self.files[shard], int(row)
         return None
 
     def digest_of_unchanged(self, key: int) -> bytes | None:
@@ -146,11 +156,11 @@ class PreviousStore:
         i = int(np.searchsorted(self.keys, np.uint64(key)))
         return digest_at(self.key_digests, i) if i < len(self.keys) and self.keys[i] == key else None
 
-    def pixels(self, split: str, row: int) -> np.ndarray:
+    def pixels(self, shard: Path, row: int) -> np.ndarray:
         """One image, read with pread: a memory map would count the whole old store in our RSS."""
-        if split not in self._files:
-            self._files[split] = os.open(self.store / f"{split}.u8", os.O_RDONLY)
-        return _read_frame(self._files[split], row, self.shape)
+        if shard not in self._files:
+            self._files[shard] = os.open(shard, os.O_RDONLY)
+        return _read_frame(self._files[shard], row, self.shape)
 
     def close(self) -> None:
         for fd in self._files.values():

@@ -37,7 +37,8 @@ from cnnpipe.data.sticky import (
     split_rule,
     stable_cap,
 )
-from cnnpipe.data.store import SPLITS, SplitWriter, write_index
+from cnnpipe.data.store import SPLITS
+from cnnpipe.data.writer import StoreWriter
 from cnnpipe.files import write_json
 
 __all__ = ["DataError", "prepare", "prepare_fashion_mnist", "split_changes"]
@@ -84,20 +85,19 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
         "val": (train_x, train_y, train_hashes, val, "train-images-idx3-ubyte"),
         "test": (test_x, test_y, test_hashes, test, "t10k-images-idx3-ubyte"),
     }
-    counts: dict[str, list[int]] = {}
+    writer = StoreWriter(out_dir, cfg.stored_size, 1, cfg.shard_mb)
     sources: list[str] = []
     for split, (images, labels, hashes, positions, file_name) in parts.items():
-        writer = SplitWriter(out_dir, split, cfg.stored_size, channels=1)
+        positions = positions[np.argsort(hashes[positions], kind="stable")]  # shards in content order
         resized = _resize_batch(images[positions], cfg.stored_size)
         for image, pos, label in zip(resized, positions, labels[positions]):
             sources.append(f"{file_name}#{pos}")
-            writer.add(image, int(label), sources[-1], digest_at(hashes, pos).hex())
-        writer.close()
-        counts[split] = np.bincount(labels[positions], minlength=len(idx.CLASSES)).tolist()
+            writer.add(split, image, int(label), digest_at(hashes, pos), {"source": sources[-1],
+                                                                          "sha256": digest_at(hashes, pos).hex()})
+        parts[split] = (images, labels, hashes, positions, file_name)
     written = np.concatenate([hashes[positions] for _, _, hashes, positions, _ in parts.values()])
     codes = _split_codes([len(positions) for _, _, _, positions, _ in parts.values()])
-    index = write_index(out_dir, list(idx.CLASSES), cfg.stored_size, 1, counts, f"fashion-mnist:{raw_dir}",
-                        carved=["val"])
+    index = writer.close(list(idx.CLASSES), f"fashion-mnist:{raw_dir}", carved=["val"])
     return {
         "source": "fashion-mnist",
         "raw_dir": str(raw_dir),
@@ -134,7 +134,7 @@ def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, dig
     if len(pool):
         paths = listing.entries.paths
         if carved:
-            keys = split_keys(digests, groups, listing.entries.groups)
+            keys = split_keys(digests, groups, listing.entries.group_keys())
             names[pool] = content_split(HexDigests(keys[pool]), labels[pool], carved, seed)
         report["kept_from_previous_store"] = {**keep_previous(names, pool, digests, paths, previous),
                                               "split_rule_changed": not previous.same_rule}
@@ -144,7 +144,7 @@ def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, dig
         report["moved_to_join_a_copy_or_group"] = colocate(names, members, movable, digests, groups)
         report["label_conflicts"], report["num_label_conflicts"] = label_conflicts(
             names, members, digests, labels, paths, classes)
-        report["groups"] = {"groups": len(listing.entries.groups),
+        report["groups"] = {"groups": int(groups.max(initial=-1)) + 1,
                             "photos_in_groups": int(np.sum(groups[members] >= 0))}
     caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
     splits = {}
@@ -196,7 +196,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
     """Ingest an ImageFolder tree or a manifest into `out_dir`, copying what `previous` already holds
     and resuming what an interrupted run left in `work`. Broken files are skipped and listed (or
     fail the stage)."""
-    listing = list_source(cfg.source)
+    listing = list_source(cfg.source, cfg.group_pattern)
     root = listing.root
     all_classes = sorted(listing.entries.labels)
     wanted = recipe(cfg.stored_size, cfg.max_pixels)
@@ -225,35 +225,35 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         rule = split_rule(seed, cfg.val_fraction, cfg.test_fraction)
         splits, split_report = _assign_splits(listing, labels, usable, got.digests, cfg, seed,
                                               PreviousSplits(previous, rule), classes)
-        counts: dict[str, list[int]] = {}
-        copied = 0
+        writer = StoreWriter(out_dir, cfg.stored_size, 3, cfg.shard_mb, previous if old.sealed else None)
+        kept = copied = 0
         for split in SPLITS:
-            writer = SplitWriter(out_dir, split, cfg.stored_size, channels=3)
-            for i in splits[split]:
+            members = splits[split] = splits[split][np.argsort(got.digests[splits[split]], kind="stable")]
+            for i in members:
                 entry, digest, row = listing.entries[i], digest_at(got.digests, i), int(got.rows[i])
+                meta = {"source": entry.path, "sha256": digest.hex(), "size": entry.size, "mtime_ns": entry.mtime_ns}
                 if row >= 0:
-                    image = journal.pixels(row)
+                    writer.add(split, journal.pixels(row), int(labels[i]), digest, meta)
+                elif old.sealed:  # a shard of the previous store holds it: point at it, read nothing
+                    writer.keep(split, *old.find(digest), int(labels[i]), digest, meta)
+                    kept += 1
                 else:
-                    image = old.pixels(*old.find(digest))
+                    writer.add(split, old.pixels(*old.find(digest)), int(labels[i]), digest, meta)
                     copied += 1
-                writer.add(image, int(labels[i]), entry.path, digest.hex(),
-                           extra={"size": entry.size, "mtime_ns": entry.mtime_ns})
-            writer.close()
-            counts[split] = np.bincount(labels[splits[split]], minlength=len(classes)).tolist()
         written = np.concatenate([splits[s] for s in SPLITS])
         codes = _split_codes([len(splits[s]) for s in SPLITS])
         leakage = _leakage(got.digests[written], codes, lambda j: listing.entries[written[j]].path)
+        index = writer.close(classes, f"{listing.kind}:{cfg.source}",
+                             carved=[s for s in ("val", "test") if s not in listing.given_splits])
     finally:
         journal.close()
         old.close()
-    no_train = [classes[i] for i, n in enumerate(counts["train"]) if n == 0]
+    no_train = [classes[i] for i, n in enumerate(index["splits"]["train"]["class_counts"]) if n == 0]
     if len(classes) - len(no_train) < 2:
         raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
                         f"(without any: {', '.join(no_train)}); see metrics/data_report.json")
     (out_dir / RECIPE_FILE).write_text(json.dumps(wanted))
     (out_dir / SPLIT_RULE_FILE).write_text(json.dumps(rule))
-    index = write_index(out_dir, classes, cfg.stored_size, 3, counts, f"{listing.kind}:{cfg.source}",
-                        carved=[s for s in ("val", "test") if s not in listing.given_splits])
     return {
         "source": str(cfg.source),
         "predefined_splits": bool(listing.given_splits),
@@ -265,7 +265,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         "skipped_folders": listing.skipped_folders,
         "leakage": leakage,
         **split_report,
-        "work": {"listed": len(listing.entries), "decoded": got.counts["decoded"], "copied": copied,
+        "work": {"listed": len(listing.entries), "decoded": got.counts["decoded"], "kept": kept, "copied": copied,
                  "read": got.counts["read"], "unchanged_not_read": got.counts["unchanged"],
                  "resumed": got.counts["resumed"], "workers": workers},
     }

@@ -56,20 +56,26 @@ def content_split(digests: Sequence[str], labels: np.ndarray, held_out: Sequence
     images that the hash leaves without a member in a held-out split lends it its lowest-hash
     training image, which may return to train once the class gains a member of its own.
     """
-    labels = np.asarray(labels)
-    units = np.array([hashed_unit(d, seed) for d in digests])
-    names = np.full(len(units), "train", dtype=object)
+    labels = np.unique(np.asarray(labels), return_inverse=True)[1].reshape(-1)
+    units = np.fromiter((hashed_unit(d, seed) for d in digests), dtype=np.float64, count=len(digests))
+    codes = np.zeros(len(units), dtype=np.int8)  # 0: train, k: the k-th held-out split
     low = 0.0
-    for name, fraction in held_out:
-        names[(units >= low) & (units < low + fraction)] = name
+    for code, (_, fraction) in enumerate(held_out, start=1):
+        codes[(units >= low) & (units < low + fraction)] = code
         low += fraction
-    for name, _ in held_out:
-        for label in np.unique(labels):
-            members = np.flatnonzero(labels == label)
-            train = members[names[members] == "train"]
-            if len(members) >= 3 and not (names[members] == name).any() and len(train) >= 2:
-                names[train[np.argmin(units[train])]] = name
-    return names
+    # One sort for every class and split (by class, then hash): linear in the catalog, not in
+    # classes x images. A class's lowest-hash training image is its first train item in this order.
+    order = np.lexsort((units, labels))
+    classes = int(labels.max()) + 1 if len(labels) else 0
+    size = np.bincount(labels, minlength=classes)
+    for code in range(1, len(held_out) + 1):
+        has = np.bincount(labels[codes == code], minlength=classes) > 0
+        in_train = order[codes[order] == 0]
+        first = in_train[np.r_[True, labels[in_train][1:] != labels[in_train][:-1]]] if len(in_train) else in_train
+        train_size = np.bincount(labels[in_train], minlength=classes)
+        lend = first[((size >= 3) & ~has & (train_size >= 2))[labels[first]]]
+        codes[lend] = code
+    return np.array(["train", *(name for name, _ in held_out)], dtype=object)[codes]
 
 
 def balanced_positions(labels: np.ndarray, cap: int | None, seed: int) -> np.ndarray:

@@ -184,15 +184,11 @@ def label_conflicts(names: np.ndarray, members: np.ndarray, digests: np.ndarray,
     return conflicts, count
 
 
-def split_keys(digests: np.ndarray, groups: np.ndarray, group_names: Sequence[str]) -> np.ndarray:
+def split_keys(digests: np.ndarray, groups: np.ndarray, group_keys: np.ndarray) -> np.ndarray:
     """What `content_split` draws each image's split from: its content hash, or, for an image with a
-    group (-1: none), the hash of the group's name, which every photo of the group shares."""
-    keys = digests.copy()
-    grouped = np.flatnonzero(groups >= 0)
-    named = np.frombuffer(b"".join(hashlib.sha256(b"group\0" + name.encode()).digest() for name in group_names),
-                          dtype="S32") if group_names else np.zeros(0, dtype="S32")
-    keys[grouped] = named[groups[grouped]]
-    return keys
+    group (-1: none), its group's key (`catalog.group_key`), which every photo of the group shares."""
+    grouped = groups >= 0
+    return np.where(grouped, group_keys, digests)
 
 
 def stable_cap(labels: np.ndarray, digests: np.ndarray, cap: int | None, seed: int) -> np.ndarray:

@@ -1,20 +1,29 @@
-"""The prepared format: pre-resized uint8 images in one memory-mappable file per split.
+"""The prepared format: pre-resized uint8 images in sealed, append-only shards, and a small index.
 
 Layout of a prepared directory::
 
-    index.json            classes, channels, size, per-split counts (the contract readers check)
-    <split>.u8            raw uint8 pixels, shape (count, size, size, channels), row-major
-    <split>_labels.npy    int64 labels
-    <split>_meta.jsonl    one line per image: source path and sha256 of the source bytes (and, for
-                          image files, their size and mtime: unchanged files are not read again)
-    recipe.json           the decoding rules and size (image files only): which stores can share pixels
+    index.json               classes, geometry, the shard list, per-split counts and fingerprints
+    shards/<serial>-<split>.u8
+                             raw uint8 pixels, shape (rows, size, size, channels), row-major; written
+                             once and never rewritten (`writer.StoreWriter`)
+    <split>_rows.npy         (N, 2) int32: each image's shard (its place in index.json's list) and row
+    <split>_labels.npy       int64 labels
+    <split>_meta.jsonl       one line per image: source path and sha256 of the source bytes (and, for
+                             image files, their size and mtime: unchanged files are not read again)
+    recipe.json              the decoding rules and size (image files only): which stores can share pixels
+    split_rule.json          the seed and fractions the splits were drawn with (image files only)
 
-Raw files rather than .npy so that a split can be written streaming, one image at a time, without
-knowing in advance how many of the candidate files will decode: memory stays flat.
+The layout follows the sealed shards of MDS, WebDataset and LitData: a week's new photos go into new
+shards and every full shard keeps its bytes, so DVC caches and pushes only what is new. What a split
+*is* lives in the per-split files, which are in content order (sha256, then label), not in the order
+images were added: a store grown week by week and one built at once from the same catalog read the
+same images in the same order, so they train the same model. A removed image is a tombstone: a shard
+row no split points at.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,61 +31,88 @@ from typing import Any
 
 import numpy as np
 
-from cnnpipe.files import write_json
-
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SPLITS = ("train", "val", "test")
+SHARDS = "shards"
 
 
-class SplitWriter:
-    """Append images of one split to `<split>.u8`, streaming."""
-
-    def __init__(self, out_dir: Path, split: str, size: int, channels: int) -> None:
-        self.out_dir, self.split, self.size, self.channels = out_dir, split, size, channels
-        self._pixels = open(out_dir / f"{split}.u8", "wb")
-        self._meta = open(out_dir / f"{split}_meta.jsonl", "w", encoding="utf-8")
-        self.labels: list[int] = []
-
-    def add(self, image: np.ndarray, label: int, source: str, sha256: str,
-            extra: dict[str, Any] | None = None) -> None:
-        """Append one (size, size, channels) uint8 image; `extra` goes into its meta line."""
-        expected = (self.size, self.size, self.channels)
-        if image.shape != expected or image.dtype != np.uint8:
-            raise ValueError(f"{source}: got {image.shape} {image.dtype}, expected {expected} uint8")
-        self._pixels.write(np.ascontiguousarray(image).tobytes())
-        self._meta.write(json.dumps({"source": source, "sha256": sha256, **(extra or {})}, ensure_ascii=False) + "\n")
-        self.labels.append(int(label))
-
-    def close(self) -> int:
-        """Flush everything; return the number of images written."""
-        self._pixels.close()
-        self._meta.close()
-        np.save(self.out_dir / f"{self.split}_labels.npy", np.asarray(self.labels, dtype=np.int64))
-        return len(self.labels)
-
-
-def write_index(out_dir: Path, classes: list[str], size: int, channels: int,
-                counts: dict[str, list[int]], source: str, carved: list[str]) -> dict[str, Any]:
-    """Write index.json (class names, geometry, per-split per-class counts, and which splits were
-    carved out of the training images rather than given by the source)."""
-    index = {
-        "format": FORMAT_VERSION,
-        "source": source,
-        "carved": sorted(carved),
-        "classes": classes,
-        "size": size,
-        "channels": channels,
-        "splits": {s: {"count": int(sum(c)), "class_counts": [int(x) for x in c]} for s, c in counts.items()},
-    }
-    write_json(out_dir / "index.json", index)
+def read_index(prepared_dir: Path) -> dict[str, Any]:
+    """Load index.json, explaining what to run when it is missing."""
+    path = Path(prepared_dir) / "index.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run `dvc repro prepare` first")
+    index = json.loads(path.read_text(encoding="utf-8"))
+    if index.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format {index.get('format')} != {FORMAT_VERSION}; rerun `dvc repro prepare`")
     return index
+
+
+class ShardedImages:
+    """A read-only (N, size, size, channels) uint8 array of one split, gathered from its shards.
+
+    Indexing with an int or an index array reads only those rows (each shard is memory-mapped on
+    first use, in the process that reads it: a DataLoader worker maps its own); a slice is a view;
+    `np.asarray` reads all. Pickles as paths, never as pixels."""
+
+    dtype = np.dtype(np.uint8)
+    ndim = 4
+
+    def __init__(self, shards: list[Path], where: np.ndarray, frame: tuple[int, int, int]) -> None:
+        self.shards, self.where, self.frame = shards, where, frame
+        self._maps: dict[int, np.ndarray] = {}
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (len(self.where), *self.frame)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def _map(self, shard: int) -> np.ndarray:
+        if shard not in self._maps:
+            path = self.shards[shard]
+            rows = path.stat().st_size // int(np.prod(self.frame))
+            # a plain ndarray view: indexing the memmap subclass costs microseconds per call
+            self._maps[shard] = np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, *self.frame)).view(np.ndarray)
+        return self._maps[shard]
+
+    def __getitem__(self, key: Any) -> np.ndarray | ShardedImages:
+        if isinstance(key, (int, np.integer)):
+            shard, row = self.where[key]
+            return self._map(int(shard))[row]
+        if isinstance(key, slice):
+            return ShardedImages(self.shards, self.where[key], self.frame)
+        key = np.asarray(key)
+        where = self.where[key if key.dtype == bool else key.astype(np.intp)]
+        shards = where[:, 0]
+        if len(where) and (shards == shards[0]).all():  # the common case: one shard, one gather
+            return self._map(int(shards[0]))[where[:, 1]]
+        # Group the rows by shard with one sort: a batch from a catalog of thousands of shards
+        # touches up to one shard per image, and a mask per shard would cost batch x shards.
+        order = np.argsort(shards, kind="stable")
+        by_shard, rows = shards[order], where[order, 1]
+        bounds = np.flatnonzero(by_shard[1:] != by_shard[:-1]) + 1
+        out = np.empty((len(where), *self.frame), dtype=np.uint8)
+        for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(order)]):
+            out[order[a:b]] = self._map(int(by_shard[a]))[rows[a:b]]
+        return out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[np.arange(len(self))]
+        return out if dtype is None else out.astype(dtype)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"shards": self.shards, "where": self.where, "frame": self.frame}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["shards"], state["where"], state["frame"])  # type: ignore[misc]
 
 
 @dataclass
 class PreparedSplit:
-    """Read-only, memory-mapped view of one prepared split."""
+    """Read-only view of one prepared split, in content order."""
 
-    images: np.ndarray  # (N, size, size, channels) uint8, memory-mapped
+    images: ShardedImages | np.ndarray  # (N, size, size, channels) uint8
     labels: np.ndarray  # (N,) int64
     classes: list[str]
 
@@ -92,31 +128,44 @@ class PreparedSplit:
         return len(self.labels)
 
 
-def read_index(prepared_dir: Path) -> dict[str, Any]:
-    """Load index.json, explaining what to run when it is missing."""
-    path = Path(prepared_dir) / "index.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run `dvc repro prepare` first")
-    index = json.loads(path.read_text(encoding="utf-8"))
-    if index.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format {index.get('format')} != {FORMAT_VERSION}; rerun `dvc repro prepare`")
-    return index
+def shard_paths(prepared_dir: Path, index: dict[str, Any]) -> list[Path]:
+    """The shard files of a store, in the order its `<split>_rows.npy` number them."""
+    return [Path(prepared_dir) / SHARDS / shard["name"] for shard in index["shards"]]
 
 
 def open_split(prepared_dir: Path, split: str, limit: int | None = None) -> PreparedSplit:
-    """Memory-map `split` of a prepared directory; `limit` keeps the first N images."""
+    """Open `split` of a prepared directory; `limit` keeps the first N images."""
     prepared_dir = Path(prepared_dir)
     index = read_index(prepared_dir)
     if split not in index["splits"]:
         raise KeyError(f"{prepared_dir}: no split {split!r} (have {', '.join(index['splits'])})")
-    count = index["splits"][split]["count"]
-    shape = (count, index["size"], index["size"], index["channels"])
-    raw = prepared_dir / f"{split}.u8"
-    expected = int(np.prod(shape))
-    if raw.stat().st_size != expected:
-        raise ValueError(f"{raw}: {raw.stat().st_size} bytes, index says {expected}; rerun `dvc repro prepare`")
-    images = np.memmap(raw, dtype=np.uint8, mode="r", shape=shape) if count else np.zeros(shape, np.uint8)
+    frame = (index["size"], index["size"], index["channels"])
+    where = np.load(prepared_dir / f"{split}_rows.npy")
     labels = np.load(prepared_dir / f"{split}_labels.npy")
+    if len(where) != index["splits"][split]["count"] or len(labels) != len(where):
+        raise ValueError(f"{prepared_dir}: {split} has {len(where)} rows and {len(labels)} labels, index.json says "
+                         f"{index['splits'][split]['count']}; rerun `dvc repro prepare`")
+    shards = shard_paths(prepared_dir, index)
+    for shard, path in zip(index["shards"], shards):
+        expected = shard["rows"] * int(np.prod(frame))
+        if not path.exists() or path.stat().st_size != expected:
+            found = f"{path.stat().st_size} bytes" if path.exists() else "missing"
+            raise ValueError(f"{path}: {found}, index.json says {expected}; rerun `dvc repro prepare` "
+                             "(or `dvc checkout data/prepared`)")
+    images = ShardedImages(shards, where, frame)
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
     return PreparedSplit(images=images, labels=labels, classes=list(index["classes"]))
+
+
+def data_fingerprint(prepared_dir: Path) -> str:
+    """What training depends on: the classes, the geometry and every split's images and labels (their
+    fingerprints in index.json), not the store's layout; a grown store and one built at once from the
+    same catalog share it. Empty when there is no store."""
+    path = Path(prepared_dir) / "index.json"
+    if not path.exists():
+        return ""
+    index = read_index(prepared_dir)
+    identity = {"classes": index["classes"], "size": index["size"], "channels": index["channels"],
+                "splits": {s: v["fingerprint"] for s, v in index["splits"].items()}}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

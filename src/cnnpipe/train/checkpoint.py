@@ -30,16 +30,6 @@ class CorruptCheckpoint(RuntimeError):
     """The file is empty, truncated or not a checkpoint at all."""
 
 
-def data_fingerprint(prepared_dir: Path) -> str:
-    """Hash of the prepared data set's identity: its index, training labels and per-image sha256s."""
-    digest = hashlib.sha256()
-    for name in ("index.json", "train_labels.npy", "train_meta.jsonl"):
-        path = Path(prepared_dir) / name
-        if path.exists():
-            digest.update(name.encode() + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def computed_settings(cfg: VariantConfig, data: str = "") -> dict[str, Any]:
     """Every setting that changes what training computes, flat (`train.lr`: 0.2), with the data's
     fingerprint: what a resume must match and what every node must agree on."""

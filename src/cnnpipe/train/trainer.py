@@ -22,7 +22,7 @@ from tqdm import tqdm
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.loaders import AugmentConfig, FastTransform, TrainLoader, build_eval_loader, build_train_loader
 from cnnpipe.data.split import balanced_subset
-from cnnpipe.data.store import PreparedSplit, open_split
+from cnnpipe.data.store import PreparedSplit, data_fingerprint, open_split
 from cnnpipe.files import write_json
 from cnnpipe.hardware import cpu_report, usable_cores
 from cnnpipe.models import InitInfo, create_model, model_mean_std
@@ -326,10 +326,10 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     cfg = fit_batch_to_steps(cfg, len(train_split), info.world_size)
     cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
     batch_note = _batch_note(cfg, requested_batch)
-    data_fingerprint = ckpt.data_fingerprint(prepared_dir)
+    data_id = data_fingerprint(prepared_dir)
     # Before anything else: nodes that resolved different settings (or hold different data) would
     # disagree on the number of steps and wait on each other's collectives until a timeout.
-    check_same_settings(ckpt.computed_settings(cfg, data_fingerprint), info, cfg.train.node_rank)
+    check_same_settings(ckpt.computed_settings(cfg, data_id), info, cfg.train.node_rank)
     cfg = _workers_fit_cores(cfg, info)
     seed_everything(cfg.seed, info.rank)
     threads = set_threads(cfg, info)
@@ -344,7 +344,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
                                    world_size=info.world_size)
     val_transform = FastTransform(parts.aug, parts.mean, parts.std, train=False, channels_last=t.channels_last,
                                   seed=cfg.seed)
-    fingerprint = ckpt.fingerprint(cfg, data_fingerprint)
+    fingerprint = ckpt.fingerprint(cfg, data_id)
     progress = _resume(cfg, info, parts, ema, model_dir / "last.pt", fingerprint)
     ctx, model = step_context(cfg, parts, info, parts.schedule, ema)
     live = _Live(live_dir if info.is_primary else None, resume=bool(progress.resumed_from))

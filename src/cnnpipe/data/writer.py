@@ -1,0 +1,185 @@
+"""Writing a prepared store: new images into new sealed shards, kept images by reference.
+
+`StoreWriter` is what `prepare` writes through. `add` appends a new image to its split's open shard
+(sealed when it holds `data.shard_mb`); `keep` points at a row of a shard of the previous store, which
+is hard-linked into the new store unchanged (copied where links are not possible). At `close`, a
+previous shard that is mostly dead (under half its rows still wanted) is compacted: its live rows
+move into new shards and it is dropped. So an update writes the new images, at most one partly
+filled shard per split, and the rare compaction, and reads no old pixels otherwise.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import mmap
+import os
+import shutil
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from cnnpipe.data.store import FORMAT_VERSION, SHARDS, SPLITS
+from cnnpipe.files import write_json
+
+COMPACT_BELOW = 0.5
+"""A previous shard with fewer live rows than this share is compacted."""
+
+
+def rows_per_shard(shard_mb: float, frame_bytes: int) -> int:
+    """Images in a full shard of `shard_mb` MiB (at least one)."""
+    return max(1, int(shard_mb * 2**20) // frame_bytes)
+
+
+def _serial(name: str) -> int:
+    return int(name.split("-", 1)[0])
+
+
+class _SplitRows:
+    """What one split holds, as flat buffers (~60 bytes an image, at any catalog size): shard, row,
+    label and sha256 of each image, and its meta line in a side file (reordered at close)."""
+
+    def __init__(self, path: Path) -> None:
+        self.shard, self.row, self.label = array.array("i"), array.array("i"), array.array("q")
+        self.digests = bytearray()
+        self.meta_path, self.offsets = path, array.array("Q", [0])
+        self.meta: IO[bytes] = open(path, "wb")
+
+    def append(self, shard: int, row: int, label: int, digest: bytes, meta: dict[str, Any]) -> None:
+        self.shard.append(shard)
+        self.row.append(row)
+        self.label.append(label)
+        self.digests += digest
+        line = (json.dumps(meta, ensure_ascii=False) + "\n").encode()
+        self.meta.write(line)
+        self.offsets.append(self.offsets[-1] + len(line))
+
+
+class StoreWriter:
+    """Write a store of (size, size, channels) images into `out_dir`, reusing `previous`'s shards."""
+
+    def __init__(self, out_dir: Path, size: int, channels: int, shard_mb: float,
+                 previous: Path | None = None) -> None:
+        self.out_dir, self.frame = Path(out_dir), (size, size, channels)
+        self.frame_bytes = size * size * channels
+        self.rows_per_shard = rows_per_shard(shard_mb, self.frame_bytes)
+        (self.out_dir / SHARDS).mkdir(parents=True, exist_ok=True)
+        old = [p.name for p in (Path(previous) / SHARDS).glob("*.u8")] if previous else []
+        self._next_serial = max((_serial(n) for n in old), default=-1) + 1
+        self.shards: list[Path] = []  # every shard an image points at: new ones here, kept ones there
+        self._numbers: dict[Path, int] = {}
+        self._new: set[int] = set()
+        self._open: dict[str, tuple[IO[bytes], int, int]] = {}  # split -> (file, shard number, rows)
+        self.splits = {s: _SplitRows(self.out_dir / f".{s}_meta.unsorted") for s in SPLITS}
+        self.written_bytes = 0
+
+    def _number(self, path: Path) -> int:
+        if path not in self._numbers:
+            self._numbers[path] = len(self.shards)
+            self.shards.append(path)
+        return self._numbers[path]
+
+    def _append_pixels(self, split: str, image: np.ndarray) -> tuple[int, int]:
+        """Write one frame to `split`'s open shard, opening a new one when none is or it is full."""
+        fh, shard, rows = self._open.get(split, (None, -1, self.rows_per_shard))
+        if fh is None or rows >= self.rows_per_shard:
+            if fh is not None:
+                fh.close()
+            path = self.out_dir / SHARDS / f"{self._next_serial:06d}-{split}.u8"
+            self._next_serial += 1
+            fh, shard, rows = open(path, "wb"), self._number(path), 0
+            self._new.add(shard)
+        fh.write(np.ascontiguousarray(image).tobytes())
+        self._open[split] = (fh, shard, rows + 1)
+        self.written_bytes += self.frame_bytes
+        return shard, rows
+
+    def add(self, split: str, image: np.ndarray, label: int, digest: bytes, meta: dict[str, Any]) -> None:
+        """Append a new (size, size, channels) uint8 image; `meta` becomes its line in `<split>_meta.jsonl`."""
+        if image.shape != self.frame or image.dtype != np.uint8:
+            raise ValueError(f"{meta.get('source')}: got {image.shape} {image.dtype}, expected {self.frame} uint8")
+        shard, row = self._append_pixels(split, image)
+        self.splits[split].append(shard, row, label, digest, meta)
+
+    def keep(self, split: str, shard: Path, row: int, label: int, digest: bytes, meta: dict[str, Any]) -> None:
+        """Point at row `row` of a previous store's sealed `shard`; no pixels are read or written."""
+        self.splits[split].append(self._number(Path(shard)), row, label, digest, meta)
+
+    def _compact(self) -> dict[str, int]:
+        """Move the live rows of mostly dead previous shards into new shards; returns what it did."""
+        live = np.zeros(len(self.shards), dtype=np.int64)
+        for rows in self.splits.values():
+            live += np.bincount(np.frombuffer(rows.shard, dtype=np.int32), minlength=len(self.shards))
+        dying = {s for s in range(len(self.shards)) if s not in self._new
+                 and live[s] < COMPACT_BELOW * (self.shards[s].stat().st_size // self.frame_bytes)}
+        moved, files = 0, {s: os.open(self.shards[s], os.O_RDONLY) for s in dying}
+        try:
+            for split, rows in self.splits.items():
+                for i, shard in enumerate(rows.shard):
+                    if shard in dying:
+                        data = os.pread(files[shard], self.frame_bytes, rows.row[i] * self.frame_bytes)
+                        frame = np.frombuffer(data, dtype=np.uint8).reshape(self.frame)
+                        rows.shard[i], rows.row[i] = self._append_pixels(split, frame)
+                        moved += 1
+        finally:
+            for fd in files.values():
+                os.close(fd)
+        return {"compacted_shards": len(dying), "moved_rows": moved}
+
+    def _link_kept(self, used: np.ndarray) -> list[dict[str, Any]]:
+        """Hard-link each previous shard still in use into the new store (a copy where links fail):
+        its bytes, and so its DVC cache object, stay the same. Returns index.json's shard list."""
+        listed = []
+        for number in np.flatnonzero(used):
+            path = self.shards[number]
+            target = self.out_dir / SHARDS / path.name
+            if number not in self._new:
+                try:
+                    os.link(path, target)
+                except OSError:  # another filesystem, or links not allowed: the bytes are what matter
+                    shutil.copyfile(path, target)
+            listed.append({"name": path.name, "rows": target.stat().st_size // self.frame_bytes,
+                           "live": int(used[number])})
+        return listed
+
+    def close(self, classes: list[str], source: str, carved: list[str]) -> dict[str, Any]:
+        """Compact, seal the open shards, write each split in content order and index.json."""
+        for rows in self.splits.values():
+            rows.meta.close()
+        compaction = self._compact()
+        for fh, _, _ in self._open.values():
+            fh.close()
+        used = np.zeros(len(self.shards), dtype=np.int64)
+        for rows in self.splits.values():
+            used += np.bincount(np.frombuffer(rows.shard, dtype=np.int32), minlength=len(self.shards))
+        renumber = np.cumsum(used > 0) - 1
+        shards = self._link_kept(used)
+        splits = {}
+        for split, rows in self.splits.items():
+            splits[split] = self._write_split(split, rows, renumber, len(classes))
+        index = {"format": FORMAT_VERSION, "source": source, "carved": sorted(carved), "classes": classes,
+                 "size": self.frame[0], "channels": self.frame[2], "rows_per_shard": self.rows_per_shard,
+                 "shards": shards, "splits": splits, "last_update": {**compaction, "written_bytes": self.written_bytes}}
+        write_json(self.out_dir / "index.json", index)
+        return index
+
+    def _write_split(self, split: str, rows: _SplitRows, renumber: np.ndarray, num_classes: int) -> dict[str, Any]:
+        """`<split>_rows.npy`, `_labels.npy` and `_meta.jsonl` in content order (sha256, then label)."""
+        digests = np.frombuffer(bytes(rows.digests), dtype="S32")
+        labels = np.frombuffer(rows.label, dtype=np.int64)
+        order = np.lexsort((labels, digests))
+        where = np.stack([renumber[np.frombuffer(rows.shard, dtype=np.int32)],
+                          np.frombuffer(rows.row, dtype=np.int32)], axis=1).astype(np.int32)
+        np.save(self.out_dir / f"{split}_rows.npy", where[order].reshape(-1, 2))
+        np.save(self.out_dir / f"{split}_labels.npy", labels[order])
+        offsets = np.frombuffer(rows.offsets, dtype=np.uint64)
+        with open(rows.meta_path, "rb") as src, open(self.out_dir / f"{split}_meta.jsonl", "wb") as out:
+            if offsets[-1]:
+                with mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ) as lines:
+                    out.writelines(lines[offsets[i] : offsets[i + 1]] for i in order)
+        rows.meta_path.unlink()
+        fingerprint = hashlib.sha256(digests[order].tobytes() + labels[order].tobytes()).hexdigest()
+        return {"count": len(order), "class_counts": np.bincount(labels, minlength=num_classes).tolist(),
+                "fingerprint": fingerprint}
