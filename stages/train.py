@@ -31,6 +31,8 @@ def main() -> int:
                         "(default: <metrics>/profile/<variant>_tuned.yaml when it exists)")
     parser.add_argument("--budget", default=None, help="the plan's images per epoch under the budget "
                         "(default: <metrics>/plan/budget.yaml when it exists)")
+    parser.add_argument("--champion", default="models/champion",
+                        help="the model in production, for model.init: champion (the champion stage's output)")
     parser.add_argument("--nnodes", type=int, help="override train.nnodes (e.g. $SLURM_NNODES)")
     parser.add_argument("--node-rank", type=int, help="override train.node_rank (e.g. $SLURM_NODEID)")
     parser.add_argument("--rdzv-endpoint", help="override train.rdzv_endpoint (host:port of node 0)")
@@ -53,7 +55,7 @@ def main() -> int:
         info = init_distributed(cfg.train.device, cfg.train.node_rank)
         fit(cfg, info, Path(args.data), Path(args.models) / args.variant,
             Path(args.metrics) / args.variant / "train.json", Path(args.metrics) / args.variant / "live",
-            tuned=read_tuned(tuned) if tuned.exists() else None)
+            tuned=read_tuned(tuned) if tuned.exists() else None, champion=Path(args.champion))
     except (WeightsUnavailable, NonFiniteLoss, UnsafeCheckpoint, DiskFull, ValueError,
             FileNotFoundError) as exc:  # ConfigMismatch (the nodes disagree) is a ValueError
         print(f"train[{args.variant}]: {exc}", file=sys.stderr)

@@ -111,8 +111,9 @@ def test_the_walker_follows_relative_and_function_level_imports(tmp_path):
     assert "src/cnnpipe/train/trainer.py" not in found
 
 
-ENTRY_POINTS = {PACKAGE / "predict.py"}
-"""`python -m cnnpipe.predict`: a root-level name for deploy's CLI, like a stage script (imports, holds no logic)."""
+ENTRY_POINTS = {PACKAGE / "predict.py", PACKAGE / "promote.py"}
+"""`python -m cnnpipe.predict` and `python -m cnnpipe.promote`: root-level names for the CLIs of deploy and
+release, like stage scripts (imports, hold no logic)."""
 
 
 def _package(path: Path) -> str:

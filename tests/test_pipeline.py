@@ -75,7 +75,7 @@ def test_repro_produces_every_output_and_metric(reproduced):
     ran = stages_run(out)
     assert set(ran) == {"machine", "prepare", "profile@baseline", "profile@optimized", "profile_report", "plan",
                         "train@baseline", "train@optimized", "evaluate@baseline", "evaluate@optimized",
-                        "export@baseline", "export@optimized", "compare"}
+                        "export@baseline", "export@optimized", "compare", "champion", "gate"}
     # The plan is printed before any training starts.
     assert ran.index("plan") < min(ran.index("train@baseline"), ran.index("train@optimized"))
     assert out.index("# Time plan (budget 20 min)") < out.index("Running stage 'train@")
@@ -118,14 +118,15 @@ def test_repro_produces_every_output_and_metric(reproduced):
 
 
 def test_second_repro_is_a_noop(project):
-    """Same machine, nothing edited: only the (always run) machine stage runs, and nothing after it."""
+    """Same machine, nothing edited: only the always-run stages (the machine, the champion) run, and
+    nothing after them."""
     out = run(["dvc", "repro"], project)
-    assert stages_run(out) == ["machine"]
+    assert sorted(stages_run(out)) == ["champion", "machine"]
 
 
 def _stale(project: Path) -> set[str]:
     status = json.loads(run(["dvc", "status", "--json"], project).strip().splitlines()[-1])
-    return set(status) - {"machine"}  # always changed by design
+    return set(status) - {"machine", "champion"}  # always changed by design
 
 
 def test_another_node_gets_data_models_and_results_from_a_dvc_remote(project, tmp_path):
@@ -141,7 +142,7 @@ def test_another_node_gets_data_models_and_results_from_a_dvc_remote(project, tm
     run(["git", "clone", "-q", str(project), str(node)], tmp_path)
     run(["dvc", "pull"], node)
     status = run(["dvc", "status"], node)
-    assert stages_changed(status) == ["machine"], status
+    assert sorted(stages_changed(status)) == ["champion", "machine"], status
     assert (node / "data" / "prepared" / "index.json").exists()
     assert (node / "models" / "optimized" / "best.pt").exists()
     image = save_image(tmp_path / "shoe.png", np.full((28, 28), 200, np.uint8))
@@ -185,7 +186,7 @@ def test_another_machine_reruns_the_profiles_and_the_plan(project):
         same = tuned[variant] == (project / "metrics" / "profile" / f"{variant}_tuned.yaml").read_text()
         same = same and budget == (project / "metrics" / "plan" / "budget.yaml").read_text()
         assert (f"train@{variant}" in ran) == (not same), (variant, ran)
-    assert stages_run(run(["dvc", "repro"], project, env)) == ["machine"]
+    assert sorted(stages_run(run(["dvc", "repro"], project, env))) == ["champion", "machine"]
 
 
 def test_changing_optimized_params_reruns_only_optimized_stages(project):
@@ -195,8 +196,8 @@ def test_changing_optimized_params_reruns_only_optimized_stages(project):
     diff = run(["dvc", "params", "diff"], project)
     assert "variants.optimized.train.lr" in diff
     out = run(["dvc", "repro"], project)
-    assert set(stages_run(out)) == {"machine", "profile@optimized", "profile_report", "plan", "train@optimized",
-                                    "evaluate@optimized", "export@optimized", "compare"}
+    assert set(stages_run(out)) == {"machine", "champion", "profile@optimized", "profile_report", "plan",
+                                    "train@optimized", "evaluate@optimized", "export@optimized", "gate", "compare"}
 
 
 def test_profile_params_retrain_only_when_the_tuned_values_change(project):

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -19,6 +20,7 @@ from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train import trainer
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.engine import predict as engine_predict
+from cnnpipe.train.precision import autocast
 from cnnpipe.train.trained import load_trained, make_transform
 from conftest import save_image, tiny_params, write_params
 
@@ -41,7 +43,7 @@ def model_predictions(models, prepared, n):
     split = open_split(prepared, "test", limit=n)
     logits, labels = engine_predict(model, build_eval_loader(split, batch_size=64), make_transform(meta),
                                     torch.device("cpu"), meta["amp"])
-    return torch.softmax(logits, 1), labels, split
+    return torch.softmax(logits / meta["temperature"], 1), labels, split
 
 
 def test_predicting_image_files_gives_what_evaluation_gives(trained, tmp_path):
@@ -88,6 +90,57 @@ def test_broken_and_foreign_files_get_error_rows_never_a_crash(trained, tmp_path
                          "--out", str(json_out)]) == 0
     (only,) = json.loads(json_out.read_text())
     assert only["error"] is None and only["label"] in open_split(prepared, "test").classes
+
+
+def test_training_fits_a_temperature_and_predict_and_both_exports_apply_it(trained, tmp_path):
+    _, prepared, models = trained
+    meta = ckpt.load(models / "best.pt")["meta"]
+    assert meta["temperature"] > 0 and meta["temperature_for"] == meta["serve"] == "model"
+    copy = tmp_path / "models"  # a temperature far from 1, so that forgetting it anywhere shows
+    shutil.copytree(models, copy)
+    state = ckpt.load(copy / "best.pt")
+    state["meta"]["temperature"] = 2.5
+    ckpt.save_atomic(state, copy / "best.pt")
+    model, loaded = load_trained(copy, torch.device("cpu"))
+    split = open_split(prepared, "test", limit=24)
+    x = make_transform({**loaded, "channels_last": False})(torch.from_numpy(np.asarray(split.images)))
+    expected = torch.softmax(model(x).float() / 2.5, 1)
+    with autocast(loaded["amp"], torch.device("cpu")):  # predict runs in the model's precision (bf16 here)
+        in_precision = torch.softmax(model(make_transform(loaded)(torch.from_numpy(np.asarray(split.images)))).float()
+                                     / 2.5, 1)
+    served = predict.Predictor.load(copy, prepared, torch.device("cpu")).probabilities(np.asarray(split.images))
+    torch.testing.assert_close(served, in_precision, atol=1e-5, rtol=1e-4)
+    export.export_model(copy, prepared, tmp_path / "exports", tmp_path / "export.json", max_images=24)
+    scripted = torch.jit.load(str(tmp_path / "exports" / "model.ts"))
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(tmp_path / "exports" / "model.onnx"), providers=["CPUExecutionProvider"])
+    onnx_logits = torch.from_numpy(session.run(None, {"images": x.contiguous().numpy()})[0])
+    for name, probs in (("torchscript", torch.softmax(scripted(x), 1)), ("onnx", torch.softmax(onnx_logits, 1))):
+        torch.testing.assert_close(probs, expected, atol=1e-5, rtol=1e-4, msg=name)
+    assert json.loads((tmp_path / "exports" / "meta.json").read_text())["temperature"] == 2.5
+
+
+def test_several_targets_and_a_confidence_threshold(trained, tmp_path, capsys):
+    """A shell glob gives several files and folders; below --min-confidence an image has no label."""
+    _, prepared, models = trained
+    split = open_split(prepared, "test", limit=6)
+    for i in range(6):
+        save_image(tmp_path / ("a" if i < 3 else "b") / f"{i}.png", np.asarray(split.images[i])[..., 0])
+    out = tmp_path / "preds.json"
+    args = [str(tmp_path / "a" / "0.png"), str(tmp_path / "b"), str(tmp_path / "a"), "--model", str(models),
+            "--data", str(prepared), "--out", str(out)]
+    assert predict.main(args) == 0
+    rows = json.loads(out.read_text())
+    assert [r["path"].rsplit("/", 1)[1] for r in rows] == ["0.png", "3.png", "4.png", "5.png", "1.png", "2.png"]
+    assert not any(r["uncertain"] for r in rows) and all(r["label"] for r in rows)
+    threshold = sorted(r["probability"] for r in rows)[3]
+    assert predict.main([*args, "--min-confidence", str(threshold)]) == 0
+    again = json.loads(out.read_text())
+    assert [r["uncertain"] for r in again] == [r["probability"] < threshold for r in rows]
+    assert all((r["label"] is None) == r["uncertain"] and r["topk"] for r in again)
+    unsure = sum(r["probability"] < threshold for r in rows)
+    assert f"{6 - unsure} classified, {unsure} uncertain" in capsys.readouterr().err
 
 
 def test_cli_refuses_what_it_cannot_do(trained, tmp_path, capsys):
@@ -166,6 +219,7 @@ def test_evaluate_writes_the_gallery(trained, tmp_path):
 def test_ema_weights_are_used_when_they_validated_better(trained, tmp_path, ema_better):
     _, _, models = trained
     best = ckpt.load(models / "best.pt")
+    best["meta"] = {k: v for k, v in best["meta"].items() if k not in ("serve", "temperature_for")}  # no choice saved
     ema = {k: (v + 1.0 if v.is_floating_point() else v) for k, v in best["model"].items()}
     ckpt.save_atomic({**best, "ema": ema, "epoch": 1}, tmp_path / "best.pt")
     record = {"val_top1": 0.5, "val_top1_ema": 0.6 if ema_better else 0.4}

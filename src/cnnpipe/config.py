@@ -91,6 +91,10 @@ class ModelConfig:
     """`true`: fail unless weights load; `auto`: use them when they can be had; `false`: random init."""
     weights_file: str | None = None
     """Local .safetensors/.pth checkpoint to start from (its head is resized to our classes)."""
+    init: Literal["pretrained", "champion"] = "pretrained"
+    """Where training starts: `pretrained` (as `pretrained` and `weights_file` say) or `champion`: the
+    model in production (the champion stage's models/champion), its classifier rows mapped to
+    today's classes by name (new classes start fresh); with no champion yet, as `pretrained`."""
     drop_path: float = 0.0
     """Stochastic depth rate."""
 
@@ -99,6 +103,8 @@ class ModelConfig:
             reject("model.name", self.name, "a timm model name, e.g. resnet50")
         if not 0.0 <= self.drop_path < 1.0:
             reject("model.drop_path", self.drop_path, "a rate in [0, 1)")
+        if self.init not in ("pretrained", "champion"):
+            reject("model.init", self.init, "pretrained | champion")
 
 
 @dataclass(frozen=True)
@@ -309,3 +315,36 @@ class VariantConfig:
         """This config with `train.*` keys replaced (for values from code: `__post_init__` checks the
         ranges, not the choices of string keys; params values go through `resolve`)."""
         return dataclasses.replace(self, train=dataclasses.replace(self.train, **changes)) if changes else self
+
+
+@dataclass(frozen=True)
+class ReleaseConfig:
+    """`release:` section: which model is in production, and what a challenger must do to replace it."""
+
+    artifact: str = "fashion-classifier"
+    """The model's name under `artifacts:` in dvc.yaml: what GTO registers and assigns."""
+    stage: str = "prod"
+    """The GTO stage whose model is the champion."""
+    margin: float = 0.01
+    """Non-inferiority margin on top-1: the challenger may be at worst this much below the champion
+    (one-sided 95% lower bound of the paired difference)."""
+    min_support: int = 20
+    """Classes with fewer test images are listed but not judged by `max_class_drop`."""
+    max_class_drop: float = 0.05
+    """The most recall any judged class may lose against the champion."""
+    floors: dict[str, float] = field(default_factory=lambda: {"top1": 0.5})
+    """Lowest allowed values of the challenger's own eval.json metrics (top1, top5, macro_f1, ...)."""
+
+    def __post_init__(self) -> None:
+        for key in ("artifact", "stage"):
+            value = getattr(self, key)
+            if not (isinstance(value, str) and re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", value)):
+                reject(f"release.{key}", value, "a GTO name: lowercase letters, digits and dashes")
+        if not 0.0 <= self.margin < 1.0:
+            reject("release.margin", self.margin, "a share of top-1 in [0, 1), e.g. 0.01 for one point")
+        if not (isinstance(self.min_support, int) and self.min_support >= 1):
+            reject("release.min_support", self.min_support, "an integer >= 1")
+        if not 0.0 <= self.max_class_drop <= 1.0:
+            reject("release.max_class_drop", self.max_class_drop, "a share of recall in [0, 1]")
+        if not isinstance(self.floors, dict) or not all(isinstance(v, (int, float)) for v in self.floors.values()):
+            reject("release.floors", self.floors, "a mapping of eval.json metric to its lowest allowed value")

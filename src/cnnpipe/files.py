@@ -15,6 +15,10 @@ import yaml
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
+CHAMPION_FILE = "champion.json"
+"""What the champion stage writes beside the model in production: its version and commit (read by the
+warm start and the gate)."""
+
 
 class DiskFull(OSError):
     """A write ran out of disk space (or quota); the message names the file, the space and what survives."""

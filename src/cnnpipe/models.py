@@ -14,7 +14,7 @@ import os
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 from urllib.parse import urlsplit
 
 import timm
@@ -35,7 +35,7 @@ class WeightsUnavailable(RuntimeError):
 class InitInfo:
     """Where the initial weights came from."""
 
-    source: str  # "random", "file", "hub-cache" or "hub"
+    source: str  # "random", "file", "hub-cache", "hub" or "champion"
     location: str | None = None
     sha256: str | None = None
 
@@ -168,6 +168,37 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
         log.warning("model.pretrained=auto: NO pretrained weights for %s (%s); training from RANDOM init",
                     cfg.name, reason)
     return timm.create_model(cfg.name, pretrained=False, **kwargs), InitInfo("random", None, None)
+
+
+def classifier_keys(model: torch.nn.Module) -> tuple[str, str]:
+    """State-dict keys of the classifier's weight and bias (timm names the layer in its pretrained
+    config: `fc` for a ResNet, `head.fc` for others)."""
+    name = (getattr(model, "pretrained_cfg", {}) or {}).get("classifier") or "fc"
+    return f"{name}.weight", f"{name}.bias"
+
+
+def warm_start(model: torch.nn.Module, weights: dict[str, torch.Tensor], old_classes: Sequence[str],
+               classes: Sequence[str]) -> dict[str, list[str]]:
+    """Load a previous model's `weights` into `model` (built for `classes`), mapping the classifier's
+    rows by class name: a class both know keeps its row wherever it moved, a new class keeps the
+    fresh row `model` was built with, a removed class's row is dropped. Returns what was mapped."""
+    weight_key, bias_key = classifier_keys(model)
+    own = model.state_dict()
+    if weights.keys() != own.keys() or any(weights[k].shape != own[k].shape for k in own
+                                           if k not in (weight_key, bias_key)):
+        raise ValueError("the champion's weights do not fit this model (another model.name or input channels?): "
+                         "set model.init: pretrained for this run")
+    row = {name: i for i, name in enumerate(old_classes)}
+    mapped = dict(weights)
+    for key in (weight_key, bias_key):
+        fresh = own[key].clone()
+        for i, name in enumerate(classes):
+            if name in row:
+                fresh[i] = weights[key][row[name]]
+        mapped[key] = fresh
+    model.load_state_dict(mapped)
+    return {"kept": [c for c in classes if c in row], "new": [c for c in classes if c not in row],
+            "removed": [c for c in old_classes if c not in set(classes)]}
 
 
 def model_mean_std(model: torch.nn.Module, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -20,13 +20,14 @@ from cnnpipe.config import (
     ModelConfig,
     ParamsError,
     ProfileConfig,
+    ReleaseConfig,
     RunConfig,
     TrainConfig,
     VariantConfig,
     reject,
 )
 
-__all__ = ["ParamsError", "build_section", "data_config", "load_params", "resolve", "run_config"]
+__all__ = ["ParamsError", "build_section", "data_config", "load_params", "release_config", "resolve", "run_config"]
 
 
 def _check_type(key: str, value: Any, hint: Any) -> Any:
@@ -69,6 +70,12 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, str):
             reject(key, value, "a string")
         return value
+    if origin is dict:  # a mapping of names to values (release.floors)
+        if not isinstance(value, dict):
+            reject(key, value, "a mapping")
+        key_type, value_type = get_args(hint)
+        return {_check_type(f"{key}.{k}", k, key_type): _check_type(f"{key}.{k}", v, value_type)
+                for k, v in value.items()}
     raise TypeError(f"unsupported field type {hint!r} for {key}")
 
 
@@ -111,7 +118,7 @@ def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
         raise ParamsError(f"{path} not found: run from the project root (where dvc.yaml is)")
     with path.open() as fh:
         raw = yaml.safe_load(fh) or {}
-    known = {"seed", "run", "data", "model", "train", "profile", "variants"}
+    known = {"seed", "run", "data", "model", "train", "profile", "release", "variants"}
     unknown = sorted(set(raw) - known)
     if unknown:
         reject(unknown[0], raw[unknown[0]], f"one of the top-level sections: {', '.join(sorted(known))}")
@@ -122,12 +129,18 @@ def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
         resolve(raw, name)  # validate each variant up front
     data_config(raw)
     run_config(raw)
+    release_config(raw)
     return raw
 
 
 def run_config(raw: dict[str, Any]) -> RunConfig:
     """The `run` section."""
     return build_section(RunConfig, raw.get("run"), "run")
+
+
+def release_config(raw: dict[str, Any]) -> ReleaseConfig:
+    """The `release` section: the champion's GTO stage and the gate's rules."""
+    return build_section(ReleaseConfig, raw.get("release"), "release")
 
 
 def data_config(raw: dict[str, Any]) -> DataConfig:

@@ -1,7 +1,8 @@
 """Export the best checkpoint to TorchScript and ONNX, and check both against PyTorch on real images.
 
 The exported graphs take what evaluation feeds the model: float32 NCHW at `image_size`, normalised
-with the mean/std in `meta.json` (written beside them, with the class names), and return logits.
+with the mean/std in `meta.json` (written beside them, with the class names), and return logits
+divided by the model's fitted temperature: their softmax is the calibrated probability predict gives.
 The batch dimension is dynamic in both. Exports are fp32 on the CPU: the portable form; a runtime
 may lower the precision itself.
 """
@@ -22,7 +23,7 @@ from cnnpipe.data.split import balanced_subset
 from cnnpipe.data.store import open_split
 from cnnpipe.files import write_json
 from cnnpipe.monitor import process_seconds
-from cnnpipe.train.trained import load_trained, make_transform
+from cnnpipe.train.trained import Calibrated, load_trained, make_transform
 
 OPSET = 18
 
@@ -119,7 +120,7 @@ def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_pat
     """Write model.ts, model.onnx and meta.json to `out_dir`, and the parity report to `metrics_path`."""
     cpu = torch.device("cpu")
     model, meta = load_trained(model_dir, cpu)
-    model = model.to(memory_format=torch.contiguous_format).float().eval()
+    model = Calibrated(model.to(memory_format=torch.contiguous_format).float(), meta["temperature"]).eval()
     example = torch.zeros(2, meta["in_chans"], meta["image_size"], meta["image_size"])
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -136,7 +137,8 @@ def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_pat
     write_json(out_dir / "meta.json", {
         "classes": meta["classes"], "image_size": meta["image_size"], "in_chans": meta["in_chans"],
         "mean": meta["mean"], "std": meta["std"], "input": "float32 NCHW, (pixels/255 - mean) / std",
-        "output": "logits", "weights": meta["weights"], "epoch": meta["epoch"], "onnx_opset": OPSET})
+        "output": "logits / temperature (softmax: calibrated probabilities)", "temperature": meta["temperature"],
+        "weights": meta["weights"], "epoch": meta["epoch"], "onnx_opset": OPSET})
     result = {
         "weights": meta["weights"], "onnx_opset": OPSET, "onnx_checker": checker,
         "torch": torch.__version__, "onnx_version": importlib.metadata.version("onnx"),

@@ -1,9 +1,11 @@
-"""Classify new image files with a trained model: `python -m cnnpipe.predict IMAGE_OR_FOLDER`.
+"""Classify new image files with a trained model: `python -m cnnpipe.predict IMAGE_OR_FOLDER ...`.
 
 Every file goes through the same steps as the data the model was evaluated on: `prepare`'s decode
 (EXIF orientation, any mode to RGB, transparency onto white, short side to the stored size, centre
 square), greyscale when the model was trained on one channel, then evaluation's deterministic
-transform. A file that cannot be read as an image gets a row with an error, never a crash.
+transform. Probabilities are calibrated (the model's fitted temperature), so `--min-confidence 0.9`
+means what it says: an image below it is marked uncertain, with its best guess, instead of forced
+into a class. A file that cannot be read as an image gets a row with an error, never a crash.
 """
 
 from __future__ import annotations
@@ -38,17 +40,18 @@ class Prediction:
     path: str
     topk: list[tuple[str, float]] = field(default_factory=list)
     error: str | None = None
+    uncertain: bool = False  # the top probability is below --min-confidence: no label
 
     @property
     def label(self) -> str | None:
-        return self.topk[0][0] if self.topk else None
+        return self.topk[0][0] if self.topk and not self.uncertain else None
 
     @property
     def probability(self) -> float | None:
         return self.topk[0][1] if self.topk else None
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "label": self.label, "probability": self.probability,
+        return {"path": self.path, "label": self.label, "probability": self.probability, "uncertain": self.uncertain,
                 "topk": [{"label": c, "probability": p} for c, p in self.topk], "error": self.error}
 
 
@@ -59,6 +62,14 @@ def list_inputs(target: Path) -> list[Path]:
     if target.is_file():
         return [target]
     return sorted(p for p in target.rglob("*") if p.is_file() and not is_hidden(p, target))
+
+
+def list_all(targets: Sequence[Path]) -> list[Path]:
+    """Every file of every target (files and folders, a shell glob's expansion), each once, in order."""
+    seen: dict[Path, None] = {}
+    for target in targets:
+        seen.update(dict.fromkeys(list_inputs(target)))
+    return list(seen)
 
 
 def to_channels(image: np.ndarray, channels: int) -> np.ndarray:
@@ -111,11 +122,12 @@ class Predictor:
         x = make_transform(self.meta)(torch.from_numpy(images).to(self.device))
         with autocast(self.meta["amp"], self.device):
             logits = self.model(x)
-        return torch.softmax(logits.float(), dim=1).cpu()
+        return torch.softmax(logits.float() / self.meta["temperature"], dim=1).cpu()
 
     def predict(self, paths: Sequence[Path], topk: int = 3, batch_size: int = 64,
-                progress: bool = False) -> Iterator[Prediction]:
-        """Predictions for `paths` in order, decoded and classified `batch_size` at a time."""
+                progress: bool = False, min_confidence: float = 0.0) -> Iterator[Prediction]:
+        """Predictions for `paths` in order, decoded and classified `batch_size` at a time; those whose
+        top probability is below `min_confidence` are marked uncertain."""
         k = max(1, min(topk, len(self.classes)))
         bar = tqdm(total=len(paths), unit="img", desc="predict", disable=None if progress else True)
         for start in range(0, len(paths), batch_size):
@@ -129,6 +141,7 @@ class Predictor:
                 for row, i in enumerate(good):
                     results[i].topk = [(self.classes[c], round(float(v), 6))
                                        for v, c in zip(values[row].tolist(), indices[row].tolist())]
+                    results[i].uncertain = results[i].topk[0][1] < min_confidence
             bar.update(len(chunk))
             yield from results
         bar.close()
@@ -142,16 +155,17 @@ def write_predictions(predictions: list[Prediction], out: Path) -> None:
         return
     with open(out, "w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)
-        writer.writerow(["path", "label", "probability", "topk", "error"])
+        writer.writerow(["path", "label", "probability", "uncertain", "topk", "error"])
         for p in predictions:
             topk = ";".join(f"{c}:{v:.4f}" for c, v in p.topk)
             writer.writerow([p.path, p.label or "", "" if p.probability is None else f"{p.probability:.4f}",
-                             topk, p.error or ""])
+                             "yes" if p.uncertain else "", topk, p.error or ""])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cnnpipe.predict", description=__doc__.split("\n")[0])
-    parser.add_argument("target", type=Path, help="an image file or a folder (searched recursively)")
+    parser.add_argument("targets", type=Path, nargs="+", metavar="target",
+                        help="image files and folders (searched recursively); a shell glob works")
     parser.add_argument("--variant", default="optimized", help="use models/<variant>/best.pt (default optimized)")
     parser.add_argument("--model", type=Path, help="a best.pt checkpoint or its folder (overrides --variant)")
     parser.add_argument("--data", type=Path, default=Path("data/prepared"),
@@ -160,17 +174,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--out", type=Path, help="write .csv or .json here (default: a table on stdout)")
+    parser.add_argument("--min-confidence", type=float, default=0.0, metavar="P",
+                        help="mark images whose top (calibrated) probability is below P as uncertain, with no "
+                             "label (default 0: always a label)")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.min_confidence <= 1.0:
+        parser.error(f"--min-confidence {args.min_confidence}: a probability in [0, 1]")
     if args.out is not None and args.out.suffix.lower() not in (".csv", ".json"):
         parser.error(f"--out {args.out}: use a .csv or .json file name")
     if args.topk < 1 or args.batch_size < 1:
         parser.error("--topk and --batch-size must be >= 1")
     try:
-        paths = list_inputs(args.target)
+        paths = list_all(args.targets)
         predictor = Predictor.load(args.model or Path("models") / args.variant, args.data,
                                    resolve_device(args.device))
-        predictions = list(predictor.predict(paths, args.topk, args.batch_size,
-                                             progress=args.target.is_dir()))
+        predictions = list(predictor.predict(paths, args.topk, args.batch_size, progress=len(paths) > 20,
+                                             min_confidence=args.min_confidence))
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"predict: {exc}", file=sys.stderr)
         return 2
@@ -179,9 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for p in predictions:
             shown = p.error if p.error else ", ".join(f"{c} {v:.1%}" for c, v in p.topk)
-            print(f"{p.path}\t{'ERROR ' if p.error else ''}{shown}")
+            flag = "ERROR " if p.error else "UNCERTAIN " if p.uncertain else ""
+            print(f"{p.path}\t{flag}{shown}")
     failed = sum(p.error is not None for p in predictions)
-    print(f"predict: {len(predictions) - failed} classified, {failed} could not be read"
+    unsure = sum(p.uncertain for p in predictions)
+    print(f"predict: {len(predictions) - failed - unsure} classified, "
+          + (f"{unsure} uncertain (below {args.min_confidence:.0%}), " if args.min_confidence > 0 else "")
+          + f"{failed} could not be read"
           + (f"; wrote {args.out}" if args.out else ""), file=sys.stderr)
     return 0
 

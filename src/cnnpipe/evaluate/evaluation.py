@@ -14,7 +14,13 @@ import torch
 from cnnpipe.data.loaders import build_eval_loader
 from cnnpipe.data.store import open_split, read_index
 from cnnpipe.evaluate.gallery import most_confident_mistakes, save_gallery
-from cnnpipe.evaluate.metrics import classification_summary, dense_confusion, most_confused
+from cnnpipe.evaluate.metrics import (
+    calibration_bins,
+    classification_summary,
+    dense_confusion,
+    expected_calibration_error,
+    most_confused,
+)
 from cnnpipe.evaluate.stats import SMALL_TEST, wilson_interval
 from cnnpipe.files import write_json
 from cnnpipe.monitor import peak_mem_mb, process_seconds
@@ -98,15 +104,17 @@ def _cell(text: str) -> str:
 
 def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.device,
              max_images: int | None = None, gallery_size: int = 16) -> dict[str, Any]:
-    """Write eval.json, classes.json, classes.md, confusion.csv, predictions.csv, calibration.csv and
-    mistakes.png to `out_dir`."""
+    """Write eval.json, classes.json, classes.md, confusion.csv, predictions.csv, calibration.csv (with
+    the fitted temperature), calibration_raw.csv (without) and mistakes.png to `out_dir`."""
     model, meta = load_trained(model_dir, device)
     split = open_split(prepared_dir, "test", limit=max_images)
     loader = build_eval_loader(split, batch_size=256)
     t0 = time.perf_counter()
-    logits, labels = predict(model, loader, make_transform(meta), device, meta["amp"])
+    raw, labels = predict(model, loader, make_transform(meta), device, meta["amp"])
     wall = time.perf_counter() - t0
+    logits = raw / meta["temperature"]  # what predict and the exports serve; the argmax is the same
     summary = classification_summary(logits, labels, meta["classes"])
+    raw_bins = calibration_bins(torch.softmax(raw, dim=1), labels)
     n = len(labels)
     # 95% Wilson intervals: where the model's accuracy on new images of this kind may lie.
     top1_ci = wilson_interval(summary["top1_correct"], n)
@@ -114,7 +122,8 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
     result = {
         "top1": summary["top1"], "top1_ci95_low": top1_ci[0], "top1_ci95_high": top1_ci[1],
         "top5": summary["top5"], "top5_ci95_low": top5_ci[0], "top5_ci95_high": top5_ci[1],
-        "loss": summary["loss"], "ece": summary["ece"],
+        "loss": summary["loss"], "ece": summary["ece"], "temperature": meta["temperature"],
+        "ece_before_temperature": expected_calibration_error(raw_bins),
         "macro_f1": summary["macro_f1"], "mean_confidence": summary["mean_confidence"],
         "images": n, "eval_throughput_img_s": n / wall,
         "model_throughput_img_s": 256 / statistics.median(forward_times(
@@ -129,10 +138,11 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
     write_class_results(out_dir, summary, classes, mistakes)
     write_predictions(out_dir / "predictions.csv", summary, labels.tolist(), classes,
                       test_sources(prepared_dir, n))
-    with open(out_dir / "calibration.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(summary["calibration"][0]))
-        writer.writeheader()
-        writer.writerows(summary["calibration"])
+    for name, bins in (("calibration.csv", summary["calibration"]), ("calibration_raw.csv", raw_bins)):
+        with open(out_dir / name, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(bins[0]))
+            writer.writeheader()
+            writer.writerows(bins)
     result["stage_time_s"] = process_seconds()
     write_json(out_dir / "eval.json", result)
     save_gallery(out_dir / "mistakes.png", split.images, mistakes, classes,

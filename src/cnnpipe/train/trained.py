@@ -27,29 +27,49 @@ def ema_is_better(best: dict[str, Any], last: Path) -> bool:
     return record.get("val_top1_ema", -1.0) > record.get("val_top1", -1.0)
 
 
-def load_trained(model_dir: Path, device: torch.device, use_ema: bool | None = None) -> tuple[torch.nn.Module, dict]:
-    """Rebuild the model saved in `model_dir/best.pt` (weights_only) and return it with its meta.
+def trained_weights(model_dir: Path, use_ema: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The state dict `model_dir/best.pt` serves (weights_only) and its meta.
 
     `use_ema=None` takes the EMA weights when they validated better (`ema_is_better`); the meta's
-    `weights` key says which were loaded.
+    `weights` key says which were taken, and `temperature` is the one fitted for them (1: none was).
     """
     path = model_dir / "best.pt"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: run `dvc repro train@{model_dir.name}` first")
     state = ckpt.load(path)
     meta = dict(state["meta"])
-    if use_ema is None:
-        use_ema = ema_is_better(state, model_dir / "last.pt")
-    model = timm.create_model(meta["model_name"], pretrained=False, num_classes=meta["num_classes"],
-                              in_chans=meta["in_chans"])
+    if use_ema is None:  # the weights calibrate_best chose, saved with them: best.pt alone deploys
+        use_ema = meta["serve"] == "ema" if "serve" in meta else ema_is_better(state, model_dir / "last.pt")
     use_ema = bool(use_ema and state.get("ema"))
-    model.load_state_dict(state["ema"] if use_ema else state["model"])
     meta["weights"] = "ema" if use_ema else "model"
     meta["epoch"] = state.get("epoch")
+    # The temperature fitted for these weights (`temperature.calibrate_best`); 1: none was.
+    meta["temperature"] = float(meta.get("temperature", 1.0)) if meta.get("temperature_for") == meta["weights"] else 1.0
+    return state["ema"] if use_ema else state["model"], meta
+
+
+def load_trained(model_dir: Path, device: torch.device, use_ema: bool | None = None) -> tuple[torch.nn.Module, dict]:
+    """Rebuild the model saved in `model_dir/best.pt` (`trained_weights`) and return it with its meta."""
+    weights, meta = trained_weights(model_dir, use_ema)
+    model = timm.create_model(meta["model_name"], pretrained=False, num_classes=meta["num_classes"],
+                              in_chans=meta["in_chans"])
+    model.load_state_dict(weights)
     model.to(device).eval()
     if meta.get("channels_last"):
         model.to(memory_format=torch.channels_last)
     return model, meta
+
+
+class Calibrated(torch.nn.Module):
+    """`model` whose logits are divided by its fitted temperature: softmax gives calibrated
+    probabilities, the argmax is the model's own. What predict runs and what export writes."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
+        super().__init__()
+        self.model, self.temperature = model, float(temperature)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) / self.temperature
 
 
 def make_transform(meta: dict[str, Any]):

@@ -42,7 +42,9 @@ from cnnpipe.train.distributed import (
 from cnnpipe.train.engine import StepContext, evaluate_top1, train_one_epoch
 from cnnpipe.train.precision import grad_scaler, math_mode, resolve_amp, use_cudnn_autotuner
 from cnnpipe.train.schedule import LrSchedule
+from cnnpipe.train.temperature import calibrate_best
 from cnnpipe.train.tuning import resolve_auto
+from cnnpipe.train.warm_start import from_champion
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:
@@ -64,9 +66,12 @@ def set_threads(cfg: VariantConfig, info: DistInfo) -> int:
     return threads
 
 
-def build_model(cfg: VariantConfig, num_classes: int, channels: int, device: torch.device):
-    """Model on `device` in the configured memory format, with its init record."""
-    model, init = create_model(cfg.model, num_classes, channels)
+def build_model(cfg: VariantConfig, classes: list[str], channels: int, device: torch.device,
+                champion: Path | None = None):
+    """Model on `device` in the configured memory format, with its init record: from the champion in
+    `champion` (its best.pt) when `model.init: champion` and there is one, else `create_model`."""
+    model, init = (from_champion(cfg.model, classes, channels, champion) if cfg.model.init == "champion"
+                   else create_model(cfg.model, len(classes), channels))
     model.to(device)
     if cfg.train.channels_last:
         model.to(memory_format=torch.channels_last)
@@ -100,10 +105,11 @@ class TrainingParts:
     schedule: LrSchedule
 
 
-def build_training(cfg: VariantConfig, info: DistInfo, split: PreparedSplit) -> TrainingParts:
+def build_training(cfg: VariantConfig, info: DistInfo, split: PreparedSplit,
+                   champion: Path | None = None) -> TrainingParts:
     """Model, LR schedule, optimizer, scaler and this rank's training loader for a resolved config."""
     t = cfg.train
-    model, init = build_model(cfg, split.num_classes, split.channels, info.device)
+    model, init = build_model(cfg, split.classes, split.channels, info.device, champion)
     mean, std = model_mean_std(model, split.channels)
     amp = resolve_amp(t.amp, info.device)
     aug = AugmentConfig(cfg.data.image_size, scale=(t.crop_scale_min, 1.0), hflip=t.hflip)
@@ -313,7 +319,8 @@ def _to_cpu(value: Any) -> Any:
 
 def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, metrics_path: Path,
         live_dir: Path, tuned: dict[str, Any] | None = None,
-        epoch_hook: Callable[[torch.nn.Module], dict[str, float]] | None = None) -> dict[str, Any] | None:
+        epoch_hook: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+        champion: Path | None = None) -> dict[str, Any] | None:
     """Train `cfg.variant`; resume from `model_dir/last.pt` when it was made under the same params.
 
     `tuned` holds the profile's measured values for knobs the params leave at `auto`. `epoch_hook`
@@ -337,7 +344,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     if t.sync_bn and info.distributed and info.device.type != "cuda":
         raise ValueError("train.sync_bn=true needs CUDA: PyTorch's SyncBatchNorm runs on GPUs only; "
                          "set train.sync_bn: false for CPU training")
-    parts = build_training(cfg, info, train_split)
+    parts = build_training(cfg, info, train_split, champion)
     ema = ModelEmaV3(parts.model, decay=t.ema_decay) if t.ema_decay else None
     val_split = balanced_subset(open_split(prepared_dir, "val"), t.val_images, cfg.seed)
     val_loader = build_eval_loader(val_split, batch_size=max(t.batch_size, 256), rank=info.rank,
@@ -391,7 +398,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     summary = _summary(cfg, progress.history, parts.init, info, parts.amp, parts.global_batch,
                        parts.schedule.peak_lr, threads, progress.resumed_from, gpu_util, time.perf_counter() - t_start)
     summary.update(optimizer_steps=parts.schedule.total_steps, batch_note=batch_note, val_images=len(val_split),
-                   stage_time_s=process_seconds())
+                   calibration=calibrate_best(model_dir, val_split, info.device), stage_time_s=process_seconds())
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())
     return summary

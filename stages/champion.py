@@ -1,0 +1,41 @@
+"""champion stage: the model in production (the GTO stage `release.stage`), fetched at its commit.
+
+Runs on every `dvc repro` (an assignment can move without any file changing); its output changes
+only when the champion does, so nothing downstream reruns otherwise.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from cnnpipe.params import ParamsError, load_params, release_config
+from cnnpipe.release.champion import fetch_champion
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--repo", default=".", help="the git and DVC repository whose tags name the champion")
+    parser.add_argument("--out", default="models/champion")
+    args = parser.parse_args()
+    try:
+        cfg = release_config(load_params(args.params))
+        about = fetch_champion(Path(args.repo).resolve(), cfg.artifact, cfg.stage, Path(args.out))
+    except (ParamsError, KeyError) as exc:
+        print(f"champion: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # DVC could not fetch the promoted model: say what to do
+        print(f"champion: could not fetch the model in {cfg.stage!r} ({exc.__class__.__name__}: {exc}). Run "
+              "`dvc pull` or check the DVC remote holds it (`dvc push --all-tags` where it was promoted)",
+              file=sys.stderr)
+        return 2
+    if about["version"] is None:
+        print(f"champion: {about['reason']}")
+    else:
+        print(f"champion: {about['artifact']} {about['version']} in {about['stage']} "
+              f"(commit {about['commit'][:12]}, {about['tag']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
