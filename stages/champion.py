@@ -20,8 +20,12 @@ def main() -> int:
     args = parser.parse_args()
     try:
         cfg = release_config(load_params(args.params))
+    except ParamsError as exc:
+        print(f"champion: {exc}", file=sys.stderr)
+        return 2
+    try:
         about = fetch_champion(Path(args.repo).resolve(), cfg.artifact, cfg.stage, Path(args.out))
-    except (ParamsError, KeyError) as exc:
+    except KeyError as exc:
         print(f"champion: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # DVC could not fetch the promoted model: say what to do

@@ -126,3 +126,18 @@ def test_a_fitted_temperature_calibrates_an_under_confident_model():
     after = expected_calibration_error(calibration_bins(torch.softmax(shown / t, 1), labels))
     assert before > 0.15 and after < 0.02
     assert torch.equal((shown / t).argmax(1), shown.argmax(1))  # no prediction moves
+
+
+def test_promote_refuses_an_unblessed_verdict_or_one_judged_against_another_champion(monkeypatch, tmp_path):
+    from cnnpipe.config import ReleaseConfig
+    from cnnpipe.release import promote
+
+    refused = {"blessed": False, "reasons": ["class 'red' loses 90.0% of recall"], "champion": None}
+    with pytest.raises(promote.Refused, match="did not bless this model:\n  - class 'red' loses"):
+        promote.promote(tmp_path, ReleaseConfig(), refused)
+    monkeypatch.setattr(promote, "in_stage", lambda repo, name, stage: {"version": "v0.2.0", "commit": "b" * 40})
+    with pytest.raises(promote.Refused, match="judged against v0.1.0, but 'prod' now holds v0.2.0"):
+        promote.check_same_champion(tmp_path, ReleaseConfig(), {"champion": {"version": "v0.1.0", "commit": "a" * 40}})
+    with pytest.raises(promote.Refused, match="judged against no champion"):  # a gate run without the tags
+        promote.check_same_champion(tmp_path, ReleaseConfig(), {"champion": {"version": None}})
+    promote.check_same_champion(tmp_path, ReleaseConfig(), {"champion": {"version": "v0.2.0", "commit": "b" * 40}})

@@ -186,3 +186,12 @@ def test_the_one_sort_content_split_draws_what_the_per_class_loop_drew(case):
     held_out = [("test", float(rng.uniform(0.05, 0.4))), ("val", float(rng.uniform(0.05, 0.4)))][: 1 + case % 2]
     expected = content_split_per_class(digests, labels, held_out, case)
     assert list(content_split(digests, labels, held_out, case)) == list(expected)
+
+
+def test_an_empty_selection_or_split_reads_as_an_empty_array(tmp_path):
+    cfg = DataConfig(source=str(tmp_path / "catalog"), stored_size=16, image_size=16, prepare_workers=1, shard_mb=0.01)
+    make_catalog(tmp_path / "catalog", 0, 40, side=20)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    images = open_split(tmp_path / "p", "train").images
+    assert images[[]].shape == (0, 16, 16, 3) and images[np.zeros(len(images), bool)].shape == (0, 16, 16, 3)
+    assert np.asarray(images[:0]).shape == (0, 16, 16, 3)

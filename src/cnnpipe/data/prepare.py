@@ -192,6 +192,28 @@ def _listed(out_dir: Path, bad: list[dict[str, str]], ignored: list[str]) -> dic
             "num_bad": len(bad)}
 
 
+def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: Listing, got: Any,
+                  labels: np.ndarray, journal: Journal, old: PreviousStore) -> tuple[int, int]:
+    """Each split's images into `writer`, in content order: decoded ones from the journal, the
+    previous store's by reference to their shard (or copied, from a store before shards). In place,
+    `splits` takes that order. Returns (kept, copied)."""
+    kept = copied = 0
+    for split in SPLITS:
+        members = splits[split] = splits[split][np.argsort(got.digests[splits[split]], kind="stable")]
+        for i in members:
+            entry, digest, row = listing.entries[i], digest_at(got.digests, i), int(got.rows[i])
+            meta = {"source": entry.path, "sha256": digest.hex(), "size": entry.size, "mtime_ns": entry.mtime_ns}
+            if row >= 0:
+                writer.add(split, journal.pixels(row), int(labels[i]), digest, meta)
+            elif old.sealed:  # a shard of the previous store holds it: point at it, read nothing
+                writer.keep(split, *old.find(digest), int(labels[i]), digest, meta)
+                kept += 1
+            else:
+                writer.add(split, old.pixels(*old.find(digest)), int(labels[i]), digest, meta)
+                copied += 1
+    return kept, copied
+
+
 def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, work: Path) -> dict[str, Any]:
     """Ingest an ImageFolder tree or a manifest into `out_dir`, copying what `previous` already holds
     and resuming what an interrupted run left in `work`. Broken files are skipped and listed (or
@@ -226,20 +248,11 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         splits, split_report = _assign_splits(listing, labels, usable, got.digests, cfg, seed,
                                               PreviousSplits(previous, rule), classes)
         writer = StoreWriter(out_dir, cfg.stored_size, 3, cfg.shard_mb, previous if old.sealed else None)
-        kept = copied = 0
-        for split in SPLITS:
-            members = splits[split] = splits[split][np.argsort(got.digests[splits[split]], kind="stable")]
-            for i in members:
-                entry, digest, row = listing.entries[i], digest_at(got.digests, i), int(got.rows[i])
-                meta = {"source": entry.path, "sha256": digest.hex(), "size": entry.size, "mtime_ns": entry.mtime_ns}
-                if row >= 0:
-                    writer.add(split, journal.pixels(row), int(labels[i]), digest, meta)
-                elif old.sealed:  # a shard of the previous store holds it: point at it, read nothing
-                    writer.keep(split, *old.find(digest), int(labels[i]), digest, meta)
-                    kept += 1
-                else:
-                    writer.add(split, old.pixels(*old.find(digest)), int(labels[i]), digest, meta)
-                    copied += 1
+        try:
+            kept, copied = _write_splits(writer, splits, listing, got, labels, journal, old)
+        except BaseException:
+            writer.abort()
+            raise
         written = np.concatenate([splits[s] for s in SPLITS])
         codes = _split_codes([len(splits[s]) for s in SPLITS])
         leakage = _leakage(got.digests[written], codes, lambda j: listing.entries[written[j]].path)

@@ -84,8 +84,10 @@ class ShardedImages:
             return ShardedImages(self.shards, self.where[key], self.frame)
         key = np.asarray(key)
         where = self.where[key if key.dtype == bool else key.astype(np.intp)]
+        if not len(where):
+            return np.empty((0, *self.frame), dtype=np.uint8)
         shards = where[:, 0]
-        if len(where) and (shards == shards[0]).all():  # the common case: one shard, one gather
+        if (shards == shards[0]).all():  # the common case: one shard, one gather
             return self._map(int(shards[0]))[where[:, 1]]
         # Group the rows by shard with one sort: a batch from a catalog of thousands of shards
         # touches up to one shard per image, and a mask per shard would cost batch x shards.

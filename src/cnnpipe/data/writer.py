@@ -11,6 +11,7 @@ filled shard per split, and the rare compaction, and reads no old pixels otherwi
 from __future__ import annotations
 
 import array
+import errno
 import hashlib
 import json
 import mmap
@@ -114,8 +115,9 @@ class StoreWriter:
             live += np.bincount(np.frombuffer(rows.shard, dtype=np.int32), minlength=len(self.shards))
         dying = {s for s in range(len(self.shards)) if s not in self._new
                  and live[s] < COMPACT_BELOW * (self.shards[s].stat().st_size // self.frame_bytes)}
-        moved, files = 0, {s: os.open(self.shards[s], os.O_RDONLY) for s in dying}
+        moved, files = 0, {}
         try:
+            files.update({s: os.open(self.shards[s], os.O_RDONLY) for s in dying})
             for split, rows in self.splits.items():
                 for i, shard in enumerate(rows.shard):
                     if shard in dying:
@@ -138,11 +140,20 @@ class StoreWriter:
             if number not in self._new:
                 try:
                     os.link(path, target)
-                except OSError:  # another filesystem, or links not allowed: the bytes are what matter
+                except OSError as exc:  # another filesystem, or links not allowed: the bytes are what matter
+                    if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                        raise
                     shutil.copyfile(path, target)
             listed.append({"name": path.name, "rows": target.stat().st_size // self.frame_bytes,
                            "live": int(used[number])})
         return listed
+
+    def abort(self) -> None:
+        """Close every file after a failure (the caller removes the half-written store)."""
+        for fh, _, _ in self._open.values():
+            fh.close()
+        for rows in self.splits.values():
+            rows.meta.close()
 
     def close(self, classes: list[str], source: str, carved: list[str]) -> dict[str, Any]:
         """Compact, seal the open shards, write each split in content order and index.json."""

@@ -95,18 +95,16 @@ class Predictor:
 
     @classmethod
     def load(cls, model_path: Path, prepared_dir: Path | None, device: torch.device) -> Predictor:
-        """The model in `model_path` (a best.pt or its folder); names and stored size from the prepared index."""
+        """The model in `model_path` (a best.pt or its folder) with the class names it was trained on
+        (they travel in best.pt: a champion from an older catalog keeps its own); the stored size from
+        the prepared index when there is one, else the model's input size."""
         model_dir = model_path if model_path.is_dir() else model_path.parent
         if model_path.is_file() and model_path.name != "best.pt":
             raise ValueError(f"{model_path}: expected a cnnpipe best.pt checkpoint or the folder holding it")
         model, meta = load_trained(model_dir, device)
         classes, stored = list(meta["classes"]), meta["image_size"]
         if prepared_dir is not None and (prepared_dir / "index.json").exists():
-            index = read_index(prepared_dir)
-            if len(index["classes"]) != meta["num_classes"]:
-                raise ValueError(f"{prepared_dir}/index.json has {len(index['classes'])} classes but the model "
-                                 f"predicts {meta['num_classes']}: pass the --data folder it was trained on")
-            classes, stored = list(index["classes"]), int(index["size"])
+            stored = int(read_index(prepared_dir)["size"])
         return cls(model, meta, classes, stored, device)
 
     def decode(self, path: Path) -> np.ndarray | str:

@@ -42,11 +42,11 @@ class Paired:
 
     @property
     def champion_top1(self) -> float:
-        return (self.both_right + self.negative_flips) / self.n
+        return (self.both_right + self.negative_flips) / max(self.n, 1)
 
     @property
     def challenger_top1(self) -> float:
-        return (self.both_right + self.positive_flips) / self.n
+        return (self.both_right + self.positive_flips) / max(self.n, 1)
 
 
 def paired_counts(champion_right: np.ndarray, challenger_right: np.ndarray) -> Paired:
@@ -129,7 +129,7 @@ def decide(rules: GateRules, challenger_metrics: dict[str, Any], paired: Paired 
     """The gate's verdict: `blessed` and every reason, in words a product owner can read."""
     reasons, failed = [], False
     for metric, floor in rules.floors.items():
-        if metric not in challenger_metrics:
+        if not isinstance(challenger_metrics.get(metric), (int, float)):
             raise KeyError(f"release.floors names {metric!r}, which evaluate does not report "
                            f"(have: {', '.join(sorted(k for k, v in challenger_metrics.items() if isinstance(v, float)))})")
         value = float(challenger_metrics[metric])

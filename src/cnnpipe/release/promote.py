@@ -21,6 +21,7 @@ from typing import Any
 
 from cnnpipe.config import ReleaseConfig
 from cnnpipe.params import ParamsError, load_params, release_config
+from cnnpipe.release.champion import in_stage
 
 FIRST_VERSION = "v0.1.0"
 
@@ -39,11 +40,15 @@ def summary(verdict: dict[str, Any]) -> str:
         reason.rstrip(".") + "." for reason in verdict["reasons"])
 
 
-def check_ready(repo: Path, model_stage: str) -> None:
-    """Refuse unless the tree is committed, the pipeline matches dvc.lock and the model is pushed."""
+def check_ready(repo: Path, model_stage: str, gate: Path) -> None:
+    """Refuse unless the tree is committed (dvc.lock and the verdict included), the pipeline matches
+    dvc.lock and the model is pushed."""
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo)
     if dirty.returncode != 0:
         raise Refused(f"{repo} is not a git repository: {dirty.stderr.strip()}")
+    tracked = _run(["git", "ls-files", "--error-unmatch", "dvc.lock", str(gate.resolve().relative_to(repo))], repo)
+    if tracked.returncode != 0:
+        raise Refused(f"dvc.lock and {gate} must be committed with the model: {tracked.stderr.strip()}")
     if dirty.stdout.strip():
         raise Refused("the working tree has uncommitted changes (dvc.lock, metrics, code?):\n"
                       f"{dirty.stdout.rstrip()}\ncommit them first: the version must name the commit that made it")
@@ -62,8 +67,18 @@ def check_ready(repo: Path, model_stage: str) -> None:
         raise Refused("the model is not in the DVC remote yet: run `dvc push` (a serving machine fetches it from there)")
 
 
+def check_same_champion(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any]) -> None:
+    """Refuse a verdict judged against another champion than the one in the stage now (the stage
+    moved since `dvc repro gate`, or the gate ran where the tags were not fetched)."""
+    now = in_stage(repo, cfg.artifact, cfg.stage)
+    judged = verdict.get("champion") or {}
+    if (now or {}).get("commit") != judged.get("commit"):
+        raise Refused(f"the gate judged against {judged.get('version') or 'no champion'}, but {cfg.stage!r} now holds "
+                      f"{(now or {}).get('version') or 'nothing'}: `git fetch --tags`, rerun `dvc repro gate` and commit")
+
+
 def promote(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any], override: str | None = None,
-            model_stage: str = "train@optimized") -> tuple[str, list[str]]:
+            model_stage: str = "train@optimized", gate: Path = Path("metrics/gate.json")) -> tuple[str, list[str]]:
     """Register and assign; returns the version and the tags created."""
     import gto.api
     from gto.exceptions import GTOException
@@ -71,7 +86,8 @@ def promote(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any], override: s
     if not verdict["blessed"] and not override:
         raise Refused("the gate did not bless this model:\n" + "\n".join(f"  - {r}" for r in verdict["reasons"])
                       + "\nfix the data or the recipe, or promote anyway with --override \"why\" (recorded in the tags)")
-    check_ready(repo, model_stage)
+    check_same_champion(repo, cfg, verdict)
+    check_ready(repo, model_stage, repo / gate)
     message = summary(verdict)
     if override:
         who = _run(["git", "config", "user.name"], repo).stdout.strip() or "unknown"
@@ -91,17 +107,18 @@ def promote(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any], override: s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cnnpipe.promote", description=__doc__.split("\n")[0])
-    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--repo", type=Path, default=Path("."), help="the project (paths below are inside it)")
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     parser.add_argument("--gate", type=Path, default=Path("metrics/gate.json"), help="the gate stage's verdict")
-    parser.add_argument("--repo", type=Path, default=Path("."))
     parser.add_argument("--override", metavar="WHY", help="promote a model the gate refused; WHY goes into the tags")
     args = parser.parse_args(argv)
+    repo = args.repo.resolve()
     try:
-        cfg = release_config(load_params(args.params))
-        if not args.gate.exists():
+        cfg = release_config(load_params(repo / args.params))
+        if not (repo / args.gate).exists():
             raise Refused(f"{args.gate} not found: run `dvc repro gate` first")
-        verdict = json.loads(args.gate.read_text())
-        version, tags = promote(args.repo.resolve(), cfg, verdict, args.override)
+        verdict = json.loads((repo / args.gate).read_text())
+        version, tags = promote(repo, cfg, verdict, args.override, gate=args.gate)
     except (Refused, ParamsError) as exc:
         print(f"promote: REFUSED: {exc}", file=sys.stderr)
         return 2

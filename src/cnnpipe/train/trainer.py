@@ -25,7 +25,7 @@ from cnnpipe.data.split import balanced_subset
 from cnnpipe.data.store import PreparedSplit, data_fingerprint, open_split
 from cnnpipe.files import write_json
 from cnnpipe.hardware import cpu_report, usable_cores
-from cnnpipe.models import InitInfo, create_model, model_mean_std
+from cnnpipe.models import InitInfo, create_model, file_sha256, model_mean_std
 from cnnpipe.monitor import GpuUtilSampler, peak_mem_mb, process_seconds
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.budget import fit_batch_to_steps
@@ -334,6 +334,8 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
     batch_note = _batch_note(cfg, requested_batch)
     data_id = data_fingerprint(prepared_dir)
+    if cfg.model.init == "champion" and champion is not None and (champion / "best.pt").exists():
+        data_id += ":" + file_sha256(champion / "best.pt")[:16]  # a resume must start from the same champion
     # Before anything else: nodes that resolved different settings (or hold different data) would
     # disagree on the number of steps and wait on each other's collectives until a timeout.
     check_same_settings(ckpt.computed_settings(cfg, data_id), info, cfg.train.node_rank)
