@@ -90,6 +90,23 @@ def base_params() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
+PROJECT_FILES = ("dvc.yaml", "stages", "src", ".dvc/config", ".dvcignore", "pyproject.toml", "data/raw/README.md",
+                 "weights/README.md", ".gitignore")
+"""What a user's checkout of the project holds, for the tests that run real `dvc` in a copy of it."""
+
+
+def copy_project(root: Path) -> Path:
+    """A copy of the project's files (no venv, data or outputs) at `root`."""
+    for name in PROJECT_FILES:
+        src, dst = ROOT / name, root / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(src, dst)
+    return root
+
+
 def tiny_params(**train_overrides) -> dict:
     """params.yaml shrunk for CPU tests: a tiny timm model, 2 epochs, small batches."""
     params = base_params()

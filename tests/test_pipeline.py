@@ -14,12 +14,10 @@ import yaml
 
 from cnnpipe.plan.plan import KEEP_BAND
 from cnnpipe.train.precision import cpu_has_fast_bf16
-from conftest import ROOT, built_once, save_image, tiny_params, write_params
+from conftest import ROOT, built_once, copy_project, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
-PROJECT_FILES = ("dvc.yaml", "stages", "src", ".dvc/config", ".dvcignore", "pyproject.toml", "data/raw/README.md",
-                 "weights/README.md")
 
 
 def run(cmd: list[str], cwd: Path, extra_env: dict[str, str] | None = None) -> str:
@@ -39,19 +37,11 @@ def reproduced(tmp_path_factory, fake_fmnist) -> tuple[Path, str]:
     data/raw), after one `dvc repro`; with that run's output. Built once per test run (`built_once`)
     and never changed: each test gets a copy."""
     def build(root: Path) -> str:
-        for name in PROJECT_FILES:
-            src = ROOT / name
-            dst = root / name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if src.is_dir():
-                shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-            else:
-                shutil.copy2(src, dst)
+        copy_project(root)
         shutil.copytree(fake_fmnist, root / "data" / "raw" / "fashion-mnist")  # the "copy under data/raw" route
         params = tiny_params()
         params["data"]["stored_size"] = 32  # resized from 28 by prepare, cropped to 28 for the model
         write_params(root / "params.yaml", params)
-        shutil.copy2(ROOT / ".gitignore", root / ".gitignore")
         run(["git", "init", "-q"], root)
         run(["dvc", "add", "-q", "data/raw/fashion-mnist"], root)  # the raw data travels through DVC too
         run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], root)

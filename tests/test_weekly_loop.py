@@ -6,7 +6,6 @@ a serving machine fetches it with `dvc artifacts get`, and `gto assign` of an ol
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zlib
@@ -16,13 +15,11 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT, save_image, tiny_params, write_params
+from conftest import copy_project, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
 ARTIFACT = "fashion-classifier"
-PROJECT_FILES = ("dvc.yaml", "stages", "src", ".dvc/config", ".dvcignore", "pyproject.toml", "data/raw/README.md",
-                 "weights/README.md", ".gitignore")
 COLOURS = {"red": (220, 40, 40), "green": (40, 190, 40), "blue": (40, 40, 220), "yellow": (225, 215, 40),
            "grey": (128, 128, 128), "purple": (150, 40, 170)}
 GIT = ["git", "-c", "user.name=Product Owner", "-c", "user.email=po@example.com"]
@@ -80,14 +77,7 @@ def in_prod(project: Path) -> str:
 
 @pytest.fixture()
 def project(tmp_path) -> Path:
-    root = tmp_path / "project"
-    for name in PROJECT_FILES:
-        src, dst = ROOT / name, root / name
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(src, dst)
+    root = copy_project(tmp_path / "project")
     params = tiny_params(epochs=4)
     params["data"].update(source="data/raw/catalog/catalog.csv", stored_size=28, image_size=28)
     params["release"].update(min_support=3, floors={"top1": 0.6})

@@ -108,11 +108,14 @@ class StoreWriter:
         """Point at row `row` of a previous store's sealed `shard`; no pixels are read or written."""
         self.splits[split].append(self._number(Path(shard)), row, label, digest, meta)
 
+    def _live_rows(self) -> np.ndarray:
+        """How many rows of each shard some split points at."""
+        return sum((np.bincount(np.frombuffer(rows.shard, dtype=np.int32), minlength=len(self.shards))
+                    for rows in self.splits.values()), np.zeros(len(self.shards), dtype=np.int64))
+
     def _compact(self) -> dict[str, int]:
         """Move the live rows of mostly dead previous shards into new shards; returns what it did."""
-        live = np.zeros(len(self.shards), dtype=np.int64)
-        for rows in self.splits.values():
-            live += np.bincount(np.frombuffer(rows.shard, dtype=np.int32), minlength=len(self.shards))
+        live = self._live_rows()
         dying = {s for s in range(len(self.shards)) if s not in self._new
                  and live[s] < COMPACT_BELOW * (self.shards[s].stat().st_size // self.frame_bytes)}
         moved, files = 0, {}
@@ -162,9 +165,7 @@ class StoreWriter:
         compaction = self._compact()
         for fh, _, _ in self._open.values():
             fh.close()
-        used = np.zeros(len(self.shards), dtype=np.int64)
-        for rows in self.splits.values():
-            used += np.bincount(np.frombuffer(rows.shard, dtype=np.int32), minlength=len(self.shards))
+        used = self._live_rows()
         renumber = np.cumsum(used > 0) - 1
         shards = self._link_kept(used)
         splits = {}
