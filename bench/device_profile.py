@@ -20,8 +20,8 @@ import torch
 
 from cnnpipe.data import idx
 from cnnpipe.data.prepare import prepare_fashion_mnist
-from cnnpipe.monitor import process_seconds
 from cnnpipe.params import load_params, resolve
+from cnnpipe.profile.box import TimeBox
 from cnnpipe.profile.report import write_report
 from cnnpipe.profile.run import profile_variant, save_profile, summary
 from cnnpipe.train.distributed import DistInfo
@@ -71,8 +71,8 @@ def main() -> None:
             prepared.mkdir(parents=True, exist_ok=True)
             prepare_fashion_mnist(cfg.data, cfg.seed, prepared, search_dirs=(raw,))
         t0 = time.perf_counter()
-        box = None if args.time_box is None else args.time_box + process_seconds()  # as if the stage started now
-        result = profile_variant(cfg, info, prepared, work / "logs" / variant, True, box)
+        box = None if args.time_box is None else TimeBox(time.monotonic() + args.time_box)  # as if the stage started now
+        result = profile_variant(cfg, info, prepared, work / "logs" / variant, True, args.time_box, box=box)
         result["stage_time_s"] = time.perf_counter() - t0
         save_profile(result, args.out)
         print(summary(result), flush=True)

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The GPU checks as one script for a lent CUDA machine, in one 10-minute window (limits add to 9.7 min):
-#   1. device  (1 min): does the GPU path work at all? torch sees the GPU, a bf16 matmul and one
-#                       ResNet-50 training step run; printed in the first minute.
-#   2. tests   (2.5 min): tests/test_gpu.py (CUDA only) and tests/test_gpu_ready.py.
-#   3. throughput (1.5 min): ResNet-50 at 224 px, 3 channels, batch 256: fp32/bf16/fp16 x NCHW/channels_last.
-#   4. profile (4 min): both recipes' profile at 224 px on synthetic Fashion-MNIST-shaped data, with a
-#                       90 s time box each: step breakdown, GPU busy share, Tensor Core share, trials.
-#   5. compile (2 min): bf16 + channels_last under torch.compile(mode="reduce-overhead").
+# The GPU checks as one script for a lent CUDA machine, in one 10-minute window (limits add to 8.9 min):
+#   1. device  (45 s): does the GPU path work at all? torch sees the GPU, a bf16 matmul and one
+#                      ResNet-50 training step run; printed in the first minute.
+#   2. tests   (100 s): tests/test_gpu.py (CUDA only) and tests/test_gpu_ready.py.
+#   3. throughput (50 s): ResNet-50 at 224 px, 3 channels, batch 256: fp32/bf16/fp16 x NCHW/channels_last.
+#   4. profile (180 s): both recipes' profile at 224 px on synthetic Fashion-MNIST-shaped data, with a
+#                       75 s time box each: step breakdown, GPU busy share, Tensor Core share, trials.
+#   5. nvml    (50 s): NVML busy sampled every 20 ms over 200 un-profiled steps of the tuned optimized
+#                      recipe, beside the profile's busy share, and the host's microseconds per step
+#                      (the loop's time when it does not wait for the GPU).
+#   6. compile (2 x 55 s): bf16 + channels_last under torch.compile, mode "default" and
+#                      "reduce-overhead" (CUDA graphs) timed apart.
 # Only small summaries (.json, .md, .txt) go to the output folder; data and traces stay in $WORK.
 #
 #   OUT=/tmp/gpu bash bench/gpu_checks.sh        # needs torch with CUDA and timm; no network
@@ -19,17 +23,17 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TIMM_OFFLINE=1   # no network there: never wait on a hub
 mkdir -p "$OUT" "$WORK"
 status=0
-step() {  # step NAME SECONDS CMD...: time-limited, output teed to $OUT/NAME.txt; a failure is noted, the rest runs
+step() {  # step NAME SECONDS CMD...: time-limited, output teed to $OUT/checks.txt; a failure is noted, the rest runs
     local name=$1 limit=$2; shift 2
     echo "== $name (limit ${limit}s): $*"
     local t0=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$OUT/checks.txt"   # one file: few come back
     local rc=${PIPESTATUS[0]}
     echo "== $name: rc=$rc in $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || status=1
 }
 
-step device 60 "$PY" - <<'EOF'
+step device 45 "$PY" - <<'EOF'
 import json, os, subprocess, time
 import torch
 info = {"torch": torch.__version__, "cuda": torch.version.cuda, "available": torch.cuda.is_available()}
@@ -64,13 +68,17 @@ json.dump(info, open(os.path.join(os.environ.get("OUT", "."), "device.json"), "w
 raise SystemExit(0 if ok else 1)
 EOF
 export OUT
-step tests 150 "$PY" -m pytest tests/test_gpu.py tests/test_gpu_ready.py -ra -q -p no:cacheprovider -p no:randomly
-step throughput 90 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5
-step profile 240 "$PY" bench/device_profile.py --device cuda --size 224 --train-images 20000 --time-box 90 \
+step tests 100 "$PY" -m pytest tests/test_gpu.py tests/test_gpu_ready.py -ra -q -p no:cacheprovider -p no:randomly
+step throughput 50 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5
+step profile 180 "$PY" bench/device_profile.py --device cuda --size 224 --train-images 20000 --time-box 75 \
     --prepare-workers 8 --work "$WORK" --out "$WORK/profile"
 for f in baseline.json optimized.json; do  # (at most 8 files come back from a lent machine)
     [ -f "$WORK/profile/$f" ] && cp "$WORK/profile/$f" "$OUT/profile_$f"
 done
-step compile 120 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5 \
+step nvml 50 "$PY" bench/nvml_busy.py --device cuda --prepared "$WORK/prepared" --profile "$WORK/profile/optimized.json" \
+    --steps 200 --interval 0.02
+step compile_default 55 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5 \
+    --compile default
+step compile_reduce_overhead 55 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5 \
     --compile reduce-overhead
 exit $status

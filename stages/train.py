@@ -13,9 +13,9 @@ from cnnpipe.models import WeightsUnavailable
 from cnnpipe.params import ParamsError, load_params, resolve
 from cnnpipe.train.budget import apply_budget, read_budget
 from cnnpipe.train.checkpoint import UnsafeCheckpoint
-from cnnpipe.train.distributed import cleanup, init_distributed
+from cnnpipe.train.distributed import ConfigMismatch, cleanup, init_distributed
 from cnnpipe.train.engine import NonFiniteLoss
-from cnnpipe.train.launch import needs_torchrun, relaunch
+from cnnpipe.train.launch import needs_torchrun, relaunch, stop_without_restart
 from cnnpipe.train.trainer import fit
 from cnnpipe.train.tuning import read_tuned
 
@@ -56,8 +56,10 @@ def main() -> int:
         fit(cfg, info, Path(args.data), Path(args.models) / args.variant,
             Path(args.metrics) / args.variant / "train.json", Path(args.metrics) / args.variant / "live",
             tuned=read_tuned(tuned) if tuned.exists() else None, champion=Path(args.champion))
+    except ConfigMismatch as exc:  # the nodes disagree, on every rank: restarting would only repeat it
+        return stop_without_restart(f"train[{args.variant}]: {exc}")
     except (WeightsUnavailable, NonFiniteLoss, UnsafeCheckpoint, DiskFull, ValueError,
-            FileNotFoundError) as exc:  # ConfigMismatch (the nodes disagree) is a ValueError
+            FileNotFoundError) as exc:
         print(f"train[{args.variant}]: {exc}", file=sys.stderr)
         return 2
     finally:

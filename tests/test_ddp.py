@@ -80,3 +80,54 @@ def test_sync_batchnorm_on_cpu_is_a_clear_error(tmp_path, prepared):
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "train.sync_bn=true needs CUDA" in output
+
+
+DDP_PROBE = """
+import json, sys
+from pathlib import Path
+
+import torch
+
+from cnnpipe.data.store import open_split
+from cnnpipe.params import load_params, resolve
+from cnnpipe.train.distributed import cleanup, init_distributed
+from cnnpipe.train.trainer import build_training, step_context
+from cnnpipe.train.tuning import resolve_auto
+
+params, prepared, out = sys.argv[1:]
+info = init_distributed("cpu")
+cfg = resolve_auto(resolve(load_params(params), "optimized"), info.device)
+parts = build_training(cfg, info, open_split(Path(prepared), "train"))
+ctx, _ = step_context(cfg, parts, info, parts.schedule)
+ddp = ctx.model
+torch.manual_seed(info.rank)  # each rank its own input: equal gradients then prove the all-reduce
+x = torch.randn(4, parts.split.channels, cfg.data.image_size, cfg.data.image_size)
+for _ in range(2):  # two steps: the static graph is recorded on the first and used on the second
+    ddp(x).sum().backward()
+grads = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+Path(out, f"rank{info.rank}.json").write_text(json.dumps({
+    "type": type(ddp).__name__, "broadcast_buffers": ddp.broadcast_buffers,
+    "gradient_as_bucket_view": ddp.gradient_as_bucket_view, "static_graph": ddp.static_graph,
+    "grad_sum": grads.sum().item()}))
+cleanup()
+"""
+
+
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_ddp_is_built_for_many_gpus_by_step_context(tmp_path, prepared, accum_steps):
+    """No buffer broadcast per forward, gradients as bucket views, a static graph where gradient
+    accumulation (no_sync) does not rule it out; as `step_context` builds it on 2 gloo processes."""
+    script = tmp_path / "probe.py"
+    script.write_text(DDP_PROBE)
+    params = write_params(tmp_path / "params.yaml", deterministic_params(batch_size=16, accum_steps=accum_steps))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script), str(params), str(prepared), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for flags in ranks:
+        assert flags["type"] == "DistributedDataParallel"
+        assert flags["broadcast_buffers"] is False and flags["gradient_as_bucket_view"] is True
+        assert flags["static_graph"] is (accum_steps == 1)
+    assert ranks[0]["grad_sum"] == pytest.approx(ranks[1]["grad_sum"])  # gradients still all-reduced

@@ -1,10 +1,13 @@
 """CUDA-only checks: skipped (never silently passed) on machines without a GPU."""
 
+import statistics
+
 import pytest
 import torch
 
 from cnnpipe.monitor import GpuUtilSampler
 from cnnpipe.params import load_params, resolve
+from cnnpipe.profile.box import TraceSteps
 from cnnpipe.profile.diagnosis import Facts, diagnose
 from cnnpipe.profile.measure import build_setup, timed_steps, trace_window
 from cnnpipe.profile.run import profile_variant
@@ -50,7 +53,8 @@ def test_item_every_step_is_host_sync_on_cuda(tmp_path, prepared):
     info = DistInfo(device=torch.device("cuda", 0))
     s = build_setup(cuda_config(tmp_path, amp="bf16"), info, prepared)
     s.ctx.model = ItemEveryStep(s.ctx.model)
-    traced = trace_window(s, tmp_path / "trace", "synced")
+    step_s = statistics.median(timed_steps(s, warmup=1, steps=3)[0])
+    traced = trace_window(s, tmp_path / "trace", "synced", TraceSteps(1, 2, 4), step_s)
     assert traced["host_syncs_per_step"] >= 1
     facts = Facts(fractions={"forward": 0.5, "backward": 0.5}, device="cuda", amp="bf16", channels_last=True,
                   host_syncs_per_step=traced["host_syncs_per_step"], utilization=traced["gpu_busy_frac"])

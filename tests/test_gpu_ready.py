@@ -23,7 +23,7 @@ from cnnpipe.train import precision
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.engine import StepContext, forward_times, micro_step
 from cnnpipe.train.schedule import batch_for_steps
-from cnnpipe.train.trainer import _Pacer
+from cnnpipe.train.pacing import Pacer
 from conftest import tiny_params, write_params
 
 
@@ -262,25 +262,25 @@ def test_the_plan_takes_start_up_and_export_speed_from_the_devices_profile(tmp_p
     assert stage_seconds(old, 1000, 100, 1000, 1000)["export@optimized"] < 20
 
 
-def test_min_steps_halves_only_a_shortened_run():
-    """Eight GPUs at batch 256 take ~27 steps per epoch of Fashion-MNIST: the whole split keeps its
-    batch; a budget-shortened epoch still gets the smaller batch the evidence is about."""
-    assert batch_for_steps(256, 300, 54_000, 4, world_size=8, train_images=54_000) == 256
-    assert batch_for_steps(256, 300, 6_750, 4, world_size=1, train_images=54_000) == 64
-    assert batch_for_steps(256, 300, 6_750, 4) == 64  # (callers that do not say: as before)
+def test_min_steps_halves_the_per_gpu_batch_whatever_the_epoch_draws():
+    """Eight GPUs at batch 256 would take ~27 steps per epoch of Fashion-MNIST: the per-GPU batch is
+    halved to reach train.min_steps, as a budget-shortened epoch's is."""
+    assert batch_for_steps(256, 300, 54_000, 4, world_size=8) == 64
+    assert batch_for_steps(256, 300, 6_750, 4, world_size=1) == 64
+    assert batch_for_steps(256, 300, 54_000, 4, world_size=1) == 256  # 840 steps: kept
 
 
 def test_auto_checkpoints_are_paced_to_a_small_share_of_training(monkeypatch):
-    import cnnpipe.train.trainer as trainer_mod
+    import cnnpipe.train.pacing as pacing
 
     now = FakeClock()
-    monkeypatch.setattr(trainer_mod.time, "monotonic", now)
-    pacer = _Pacer(last_write=now.t)
+    monkeypatch.setattr(pacing.time, "monotonic", now)
+    pacer = Pacer(last_write=now.t)
     assert pacer.due("auto", 0, final=False)  # nothing written yet
     pacer.last_write, pacer.write_s = now.t, 1.0  # a 1 s write (285 MB, fsynced)
     now.t += 2.0  # a 2 s epoch on a GPU
     assert not pacer.due("auto", 1, final=False) and pacer.due("auto", 1, final=True)
-    now.t += 1.0 / trainer_mod.CHECKPOINT_SHARE
+    now.t += 1.0 / pacing.CHECKPOINT_SHARE
     assert pacer.due("auto", 2, final=False)
     assert pacer.due(1, 1, final=False) and not pacer.due(2, 0, final=False)  # every N epochs: as asked
 

@@ -21,7 +21,8 @@ from cnnpipe.profile.diagnosis import Facts, diagnose
 from cnnpipe.profile.measure import build_setup, fractions, timed_steps, trace_window
 from cnnpipe.profile.report import to_markdown, write_report
 from cnnpipe.profile.run import profile_variant, summary
-from cnnpipe.profile.trials import Trial, candidates, compile_trial, paired_trial
+from cnnpipe.profile.box import TraceSteps
+from cnnpipe.profile.trials import Trial, TrialContext, candidates, compile_trial, paired_trial
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.tuning import resolve_auto
 from conftest import tiny_params, write_params
@@ -41,6 +42,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def trial_ctx(cfg, prepared, base=None, requested=None, clock=None):
+    """The trials' context for `cfg` (no time limit unless `clock` says otherwise)."""
+    return TrialContext(cfg, requested or cfg, DistInfo(), prepared, base,
+                        clock or TrialClock.unlimited(cfg.profile.trial_steps))
+
+
+TRACE = TraceSteps(0, 1, 2)
 
 
 def label_of(cfg, prepared, setup_hook=None, batch_gain=None):
@@ -115,10 +125,10 @@ def test_item_every_step_is_counted_but_is_no_bottleneck_on_the_cpu(tmp_path, pr
     """On the CPU ops run synchronously, so the extra `.item()` costs ~1 us and drains nothing:
     the profile counts it (and would name host_sync on CUDA) but does not blame it for time here."""
     cfg = config(tmp_path, amp="off")
-    plain = trace_window(build_setup(cfg, DistInfo(), prepared), tmp_path / "a", "plain")
+    plain = trace_window(build_setup(cfg, DistInfo(), prepared), tmp_path / "a", "plain", TRACE, 0.1)
     s = build_setup(cfg, DistInfo(), prepared)
     s.ctx.model = ItemEveryStep(s.ctx.model)
-    synced = trace_window(s, tmp_path / "b", "synced")
+    synced = trace_window(s, tmp_path / "b", "synced", TRACE, 0.1)
     assert synced["host_syncs_per_step"] == plain["host_syncs_per_step"] + 1
     label, fr = label_of(cfg, prepared, lambda x: setattr(x.ctx, "model", ItemEveryStep(x.ctx.model)))
     assert label == "compute" and fr["sync"] < 0.05
@@ -126,6 +136,19 @@ def test_item_every_step_is_counted_but_is_no_bottleneck_on_the_cpu(tmp_path, pr
     model_syncs = synced["host_syncs_per_step"] - plain["host_syncs_per_step"]
     facts = Facts(fractions=fr, device="cuda", amp="bf16", channels_last=True, host_syncs_per_step=model_syncs)
     assert diagnose(facts)[0] == "host_sync"  # the same step on a GPU, where each sync stalls the queue
+
+
+def test_the_trace_reads_its_steps_from_their_own_spans_not_the_window_wall(tmp_path, prepared):
+    """The trace handler runs inside the last `prof.step()` (it writes the JSON): a handler that
+    sleeps 0.3 s must change neither the profiled step time nor the syncs per step, which come from
+    the `ProfilerStep#` spans (the GPU busy share divides kernel time by the un-profiled step)."""
+    cfg = config(tmp_path, amp="off")
+    s = build_setup(cfg, DistInfo(), prepared)
+    quick = trace_window(s, tmp_path / "a", "quick", TRACE, 0.1, on_trace_ready=lambda prof: None)
+    slow = trace_window(s, tmp_path / "b", "slow", TRACE, 0.1, on_trace_ready=lambda prof: time.sleep(0.3))
+    assert slow["host_syncs_per_step"] == quick["host_syncs_per_step"]
+    assert 0 < slow["trace_step_s"] < 0.3 and 0 < quick["trace_step_s"] < 0.3  # a tiny model's step: ms
+    assert slow["gpu_busy_frac"] is None and slow["gpu_busy_basis"] is None  # (no kernels on the CPU)
 
 
 def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepared):
@@ -184,7 +207,7 @@ def test_a_mix_of_winners_is_measured_before_it_is_kept(tmp_path, prepared):
     trials = [Trial("channels_last", {"channels_last": False}, 1.3, (1.2, 1.4), win=True),
               Trial("num_workers", {"num_workers": 1}, 1.1, (1.06, 1.2), win=True)]
     tuned = tuned_settings(requested, current, trials)
-    kept, combined = confirm_winners(requested, current, DistInfo(), prepared, base, trials, tuned)
+    kept, combined = confirm_winners(trial_ctx(current, prepared, base, requested), trials, tuned)
     assert combined is not None and combined.change == {"channels_last": False, "num_workers": 1}
     if combined.win:
         assert kept == tuned
@@ -195,18 +218,18 @@ def test_a_mix_of_winners_is_measured_before_it_is_kept(tmp_path, prepared):
 @pytest.mark.parametrize("second_wins", [True, False])
 def test_a_single_winner_is_measured_again_before_it_is_kept(monkeypatch, tmp_path, second_wins):
     """One winning trial is not enough on a drifting VM: a second trial of its own decides."""
-    import cnnpipe.profile.decision as decision
-
     requested = config(tmp_path)
     current = resolve_auto(requested, torch.device("cpu"))
     measured = []
-    monkeypatch.setattr(decision, "build_setup", lambda *a: object())
-    monkeypatch.setattr(decision, "paired_trial", lambda knob, change, *a: measured.append((knob, change))
+    import cnnpipe.profile.trials as trials_mod
+
+    monkeypatch.setattr(trials_mod, "build_setup", lambda *a: object())
+    monkeypatch.setattr(trials_mod, "paired_trial", lambda knob, change, *a: measured.append((knob, change))
                         or Trial(knob, change, 1.2 if second_wins else 0.97, win=second_wins))
     flip = {"loader": "baseline" if current.train.loader == "fast" else "fast"}
     trials = [Trial("loader", flip, 1.08, (1.06, 1.36), win=True)]
     tuned = tuned_settings(requested, current, trials)
-    kept, confirm = confirm_winners(requested, current, DistInfo(), tmp_path, None, trials, tuned)
+    kept, confirm = confirm_winners(trial_ctx(current, tmp_path, requested=requested), trials, tuned)
     assert measured == [("confirm", flip)] and confirm.knob == "confirm"
     if second_wins:
         assert kept == tuned and tuned_speedup(current, kept, trials, confirm) == 1.2
@@ -215,7 +238,7 @@ def test_a_single_winner_is_measured_again_before_it_is_kept(monkeypatch, tmp_pa
         assert tuned_speedup(current, kept, trials, confirm) == 1.0
     measured.clear()  # past the time box the one measured win stands, with nothing timed
     spent = TrialClock(0.0, trial_s=1.0)
-    assert confirm_winners(requested, current, DistInfo(), tmp_path, None, trials, tuned, spent) == (tuned, None)
+    assert confirm_winners(trial_ctx(current, tmp_path, requested=requested, clock=spent), trials, tuned) == (tuned, None)
     assert measured == []
 
 
@@ -265,7 +288,7 @@ def test_compile_is_judged_over_the_whole_run(tmp_path, prepared):
     assert shutil.which("g++") or shutil.which("c++"), "inductor needs a C++ compiler on the CPU"
     cfg = resolve_auto(config(tmp_path, compile="auto"), torch.device("cpu"))
     base = build_setup(cfg, DistInfo(), prepared)
-    trial = compile_trial(cfg, DistInfo(), prepared, base)
+    trial = compile_trial(trial_ctx(cfg, prepared, base))
     assert trial.knob == "compile" and trial.change == {"compile": "default"}
     assert trial.note.startswith("compile took"), trial.note
     run_gain = float(trial.note.split("; ")[1].split("x")[0])
@@ -283,7 +306,7 @@ def test_a_compile_that_fails_is_reported_not_raised(tmp_path, prepared, monkeyp
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
 
     monkeypatch.setattr(trials_mod, "build_setup", no_compiler)
-    trial = trials_mod.compile_trial(cfg, DistInfo(), prepared, current=None)
+    trial = trials_mod.compile_trial(trial_ctx(cfg, prepared))
     assert not trial.win and trial.speedup == 0.0
     assert trial.note == "compile failed: RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
 
@@ -300,7 +323,7 @@ def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(mo
 
     monkeypatch.setattr(prof, "build_setup", lambda *a: object())
     monkeypatch.setattr(prof, "paired_trial", fake_trial)
-    grown = prof.batch_trials(cfg, DistInfo(), tmp_path, current=None, max_doublings=3)
+    grown = prof.batch_trials(trial_ctx(cfg, tmp_path), max_doublings=3)
     assert [t.change["batch_size"] for t in grown] == [32, 64]
     assert grown[0].win and not grown[1].win and "batch 32" in grown[1].note
 
@@ -308,7 +331,7 @@ def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(mo
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(prof, "build_setup", oom)
-    (only,) = prof.batch_trials(cfg, DistInfo(), tmp_path, current=None)
+    (only,) = prof.batch_trials(trial_ctx(cfg, tmp_path))
     assert not only.win and only.note == "out of memory" and only.change == {"batch_size": 32}
 
 
@@ -327,10 +350,11 @@ def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(mon
     monkeypatch.setattr(prof, "build_setup", lambda *a: object())
     monkeypatch.setattr(prof, "paired_trial", fake_trial)
     none = config(tmp_path, batch_size=256, min_steps=None)
-    assert prof.smaller_batch_trials(none, none, DistInfo(), tmp_path, None, {}, 1.0) == []
+    assert prof.smaller_batch_trials(trial_ctx(none, tmp_path), prof.smaller_batches(none), {}, 1.0) == []
     requested = config(tmp_path, batch_size=256, min_steps=500, channels_last="auto")
     cfg = resolve_auto(requested, torch.device("cpu"))
-    entries = prof.smaller_batch_trials(requested, cfg, DistInfo(), tmp_path, None, {"channels_last": True}, 1.25)
+    entries = prof.smaller_batch_trials(trial_ctx(cfg, tmp_path, requested=requested), prof.smaller_batches(cfg),
+                                        {"channels_last": True}, 1.25)
     assert [e["change"]["batch_size"] for e in entries] == [128, 64]  # down to MIN_BATCH
     assert [k for k, _ in measured] == ["smaller_batch", "channels_last"] * 2
     assert not any(e["win"] for e in entries)
@@ -341,7 +365,7 @@ def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(mon
     # Explicit layouts are never re-tuned.
     measured.clear()
     fixed = config(tmp_path, batch_size=256, min_steps=500, channels_last=True)
-    prof.smaller_batch_trials(fixed, fixed, DistInfo(), tmp_path, None, {}, 1.0)
+    prof.smaller_batch_trials(trial_ctx(fixed, tmp_path), prof.smaller_batches(fixed), {}, 1.0)
     assert [k for k, _ in measured] == ["smaller_batch", "smaller_batch"]
     result = {"variant": "optimized", "step_time_median_s": 0.1, "throughput_img_s": 100.0, "fractions": {},
               "bottleneck": "compute", "recommendations": [], "trials": [], "combined_trial": None, "tuned": {},
@@ -412,11 +436,11 @@ def test_candidates_the_hardware_rules_out_are_not_timed_unless_asked(monkeypatc
     monkeypatch.setattr(trials_mod, "paired_trial",
                         lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
     cfg = config(tmp_path, amp="off")
-    results = trials_mod.run_trials(cfg, cfg, DistInfo(), tmp_path, None, set())
+    results = trials_mod.run_trials(trial_ctx(cfg, tmp_path), set())
     assert timed == ["loader"] and results[0].note.startswith("not measured") and not results[0].win
     forced = resolve(load_params(write_params(tmp_path / "forced.yaml", {**tiny_params(),
                      "profile": {**tiny_params()["profile"], "trial_ruled_out": True}})), "optimized")
-    trials_mod.run_trials(forced, forced, DistInfo(), tmp_path, None, set())
+    trials_mod.run_trials(trial_ctx(forced, tmp_path), set())
     assert timed == ["loader", "amp", "loader"]
     monkeypatch.setattr(trials_mod, "cpu_has_fast_bf16", lambda: True)
     assert trials_mod.ruled_out({"amp": "bf16"}, torch.device("cpu")) == ""
@@ -440,14 +464,14 @@ def test_a_spent_time_box_notes_the_remaining_trials_instead_of_timing_them(monk
                         lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
     cfg = config(tmp_path)
     spent = TrialClock(0.0, trial_s=1.0)
-    results = trials_mod.run_trials(cfg, cfg, DistInfo(), tmp_path, None, set(), spent)
+    results = trials_mod.run_trials(trial_ctx(cfg, tmp_path, clock=spent), set())
     assert timed == [] and results and all(r.note == OUT_OF_TIME for r in results)
     assert results[-1].knob == "batch_size" and not any(r.win for r in results)
     wins = [Trial("amp", {"amp": "off"}, 1.2, win=True), Trial("loader", {"loader": "baseline"}, 1.1, win=True)]
     requested = config(tmp_path, amp="auto", loader="auto")
     current = resolve_auto(requested, torch.device("cpu"))
-    kept, combined = confirm_winners(requested, current, DistInfo(), tmp_path, None, wins,
-                                      tuned_settings(requested, current, wins), spent)
+    kept, combined = confirm_winners(trial_ctx(current, tmp_path, requested=requested, clock=spent), wins,
+                                      tuned_settings(requested, current, wins))
     assert kept["amp"] == "off" and kept["loader"] == current.train.loader
     assert combined.note.startswith("not measured") and "kept only amp=off" in combined.note
 

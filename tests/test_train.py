@@ -16,7 +16,7 @@ from cnnpipe.files import DiskFull
 from cnnpipe.models import WeightsUnavailable, create_model
 from cnnpipe.params import load_params, resolve
 from cnnpipe.train import checkpoint as ckpt
-from cnnpipe.train import engine, trainer
+from cnnpipe.train import engine, pacing, trainer
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.schedule import lr_at, warmup_steps
 from conftest import tiny_params, write_params
@@ -351,7 +351,7 @@ def test_paced_checkpoints_still_keep_the_best_epochs_weights(tmp_path, prepared
     scores = iter([0.5, 0.9, 0.6, 0.7])
     monkeypatch.setattr(trainer, "evaluate_top1", lambda *a, **k: dict.fromkeys(("top1", "top5"), next(scores))
                         | {"loss": 1.0})
-    monkeypatch.setattr(trainer, "CHECKPOINT_SHARE", 1e-9)  # after the first write, none until the last
+    monkeypatch.setattr(pacing, "CHECKPOINT_SHARE", 1e-9)  # after the first write, none until the last
     snapshots = []
 
     def hook(model):

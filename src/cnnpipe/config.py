@@ -183,9 +183,9 @@ class TrainConfig:
     """Validation images per epoch, a fixed class-balanced subset of the val split; null = all of it.
     The time budget (`run.budget_minutes`) may lower it; the test split is always evaluated whole."""
     min_steps: int | None = 300
-    """Fewest optimizer steps a run should take: when the images per epoch leave fewer (a tight
-    budget), the batch is halved until they do, down to 64, with the LR scaled along; null = keep
-    `batch_size` whatever the run's length."""
+    """Fewest optimizer steps a run should take: when the images per epoch and the processes leave
+    fewer (a tight budget, a small data set, eight GPUs), the per-process batch is halved until they
+    do, down to 64, with the LR scaled along; null = keep `batch_size` whatever the run's length."""
 
     def __post_init__(self) -> None:
         ints = {"epochs": 1, "batch_size": 1, "nproc": 1, "accum_steps": 1}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -87,3 +88,12 @@ def read_yaml_mapping(path: Path | None, problem: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: {problem}")
     return data
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, streamed."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

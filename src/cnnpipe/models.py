@@ -8,7 +8,6 @@ recorded in `InitInfo` and ends up in train.json: we never claim weights that we
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import socket
@@ -21,6 +20,7 @@ import timm
 import torch
 
 from cnnpipe.config import ModelConfig
+from cnnpipe.files import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +41,6 @@ class InitInfo:
 
     def to_dict(self) -> dict[str, str | None]:
         return asdict(self)
-
-
-def file_sha256(path: str | Path) -> str:
-    """sha256 of a file, streamed."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def hub_address() -> tuple[str, int]:

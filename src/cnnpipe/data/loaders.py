@@ -133,6 +133,32 @@ def _interp_matrix(start: torch.Tensor, length: torch.Tensor, out: int, size: in
     return weights
 
 
+@functools.lru_cache(maxsize=32)
+def _crop_constants(aug: AugmentConfig, height: int, width: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(low, span) of (area, log ratio) and the (width, height) on `device`, built once, like `mean_std_on`."""
+    low = torch.tensor([aug.scale[0], math.log(aug.ratio[0])])
+    span = torch.tensor([aug.scale[1] - aug.scale[0], math.log(aug.ratio[1] / aug.ratio[0])])
+    return low.to(device), span.to(device), torch.tensor([float(width), float(height)]).to(device)
+
+
+def crop_params(n: int, aug: AugmentConfig, height: int, width: int,
+                generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(x0, y0, w, h, flip) of `n` random-resized crops, in source pixels, from one draw of `generator`.
+
+    Area uniform in `aug.scale` and aspect ratio log-uniform in `aug.ratio` (torchvision's draws,
+    clamped to the image instead of retried), the crop placed uniformly, a fair coin for the flip.
+    One (n, 5) draw and width/height computed as pairs: each op is a kernel launch and a Python round
+    trip per batch, and this is half the ops of five separate draws.
+    """
+    u = torch.rand(n, 5, device=generator.device, generator=generator)
+    low, span, size = _crop_constants(aug, height, width, generator.device)
+    area, log_ratio = torch.addcmul(low, u[:, :2], span).unbind(1)
+    ratio = log_ratio.exp()
+    wh = torch.stack([area * ratio, area / ratio], 1).sqrt_().clamp_(max=1.0).mul_(size)  # crop size in pixels
+    xy0 = u[:, 2:4] * (size - wh)
+    return xy0[:, 0], xy0[:, 1], wh[:, 0], wh[:, 1], u[:, 4] < 0.5
+
+
 def random_resized_crop(x: torch.Tensor, aug: AugmentConfig, generator: torch.Generator) -> torch.Tensor:
     """Per-sample random-resized crop + horizontal flip of a float NCHW batch.
 
@@ -141,18 +167,13 @@ def random_resized_crop(x: torch.Tensor, aug: AugmentConfig, generator: torch.Ge
     CPU core, and the same code runs on the GPU.
     """
     n, _, height, width = x.shape
-    dev = generator.device
-    area = torch.empty(n, device=dev).uniform_(*aug.scale, generator=generator)
-    log_r = torch.empty(n, device=dev).uniform_(math.log(aug.ratio[0]), math.log(aug.ratio[1]), generator=generator)
-    ratio = torch.exp(log_r)
-    w = torch.sqrt(area * ratio).clamp(max=1.0) * width  # crop size in source pixels
-    h = torch.sqrt(area / ratio).clamp(max=1.0) * height
-    x0 = torch.rand(n, device=dev, generator=generator) * (width - w)
-    y0 = torch.rand(n, device=dev, generator=generator) * (height - h)
-    rows = _interp_matrix(y0, h, aug.image_size, height)
-    cols = _interp_matrix(x0, w, aug.image_size, width)
+    x0, y0, w, h, flip = crop_params(n, aug, height, width, generator)
+    if height == width:  # square (the prepared store's layout): both matrices from one call
+        rows, cols = _interp_matrix(torch.cat([y0, x0]), torch.cat([h, w]), aug.image_size, height).chunk(2)
+    else:
+        rows = _interp_matrix(y0, h, aug.image_size, height)
+        cols = _interp_matrix(x0, w, aug.image_size, width)
     if aug.hflip:
-        flip = torch.rand(n, device=dev, generator=generator) < 0.5
         cols = torch.where(flip[:, None, None], cols.flip(1), cols)
     rows, cols = rows.to(x.device), cols.to(x.device)
     return rows[:, None] @ x @ cols[:, None].transpose(-1, -2)
@@ -281,16 +302,21 @@ def _keep_layout(channels_last: bool):
 SHM = Path("/dev/shm")
 
 
-def check_shared_memory(num_workers: int, batch_bytes: int, prefetch_factor: int = 2) -> None:
+def check_shared_memory(num_workers: int, batch_bytes: int, prefetch_factor: int = 2, local_ranks: int = 1) -> None:
     """Loader workers hand their batches over in /dev/shm: fail before training, with what to do,
     when it cannot hold what they keep in flight (a container's default is 64 MB, and running out
-    there is a bus error in a worker, not a message)."""
+    there is a bus error in a worker, not a message).
+
+    `local_ranks`: the training processes on this node, each with `num_workers` workers of its own,
+    all sharing the node's one /dev/shm.
+    """
     if num_workers == 0 or not SHM.is_dir():
         return
-    need = 2 * num_workers * prefetch_factor * batch_bytes  # in flight, plus the copies being freed
+    need = 2 * local_ranks * num_workers * prefetch_factor * batch_bytes  # in flight, plus the copies being freed
     free = shutil.disk_usage(SHM).free
     if free < need:
-        raise ValueError(f"{SHM} has {free / 2**20:,.0f} MB free; {num_workers} loader workers need about "
+        who = f"{num_workers} loader workers" + (f" x {local_ranks} ranks on this node" if local_ranks > 1 else "")
+        raise ValueError(f"{SHM} has {free / 2**20:,.0f} MB free; {who} need about "
                          f"{need / 2**20:,.0f} MB there for their batches. In Docker run with --ipc=host or "
                          f"--shm-size=8g (Kubernetes: an emptyDir with medium: Memory at /dev/shm), or set "
                          f"train.num_workers: 0")
@@ -300,8 +326,9 @@ def build_train_loader(split: PreparedSplit, *, kind: str, batch_size: int, aug:
                        mean: Sequence[float], std: Sequence[float], seed: int, rank: int = 0,
                        world_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
                        channels_last: bool = False, prefetch_factor: int = 2,
-                       images_per_epoch: int | None = None) -> TrainLoader:
-    """The training loader of `kind` (`baseline` or `fast`), sharded for this rank."""
+                       images_per_epoch: int | None = None, local_ranks: int = 1) -> TrainLoader:
+    """The training loader of `kind` (`baseline` or `fast`), sharded for this rank (one of
+    `local_ranks` on this node, for the /dev/shm check)."""
     pin_memory = pin_memory and torch.cuda.is_available()  # pinning only helps host→GPU copies
     per_epoch = len(split) if images_per_epoch is None else min(len(split), images_per_epoch)
     if per_epoch // world_size < batch_size:
@@ -314,7 +341,7 @@ def build_train_loader(split: PreparedSplit, *, kind: str, batch_size: int, aug:
     # What one batch weighs in /dev/shm: uint8 at the stored size (fast), float32 crops (baseline).
     stored = split.images.shape[1]
     batch_bytes = batch_size * split.channels * (stored**2 if kind == "fast" else 4 * aug.image_size**2)
-    check_shared_memory(num_workers, batch_bytes, prefetch_factor)
+    check_shared_memory(num_workers, batch_bytes, prefetch_factor, local_ranks)
     if kind == "fast":
         loader = DataLoader(_UInt8Batches(split), sampler=sampler, batch_size=None, num_workers=num_workers,
                             pin_memory=pin_memory, **extra)
@@ -330,9 +357,14 @@ def build_train_loader(split: PreparedSplit, *, kind: str, batch_size: int, aug:
 
 
 def build_eval_loader(split: PreparedSplit, *, batch_size: int, rank: int = 0, world_size: int = 1,
-                      num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
-    """Deterministic loader of uint8 batches; each item seen once across ranks."""
-    pin_memory = pin_memory and torch.cuda.is_available()
+                      num_workers: int = 0, pin_memory: bool | None = None) -> DataLoader:
+    """Deterministic loader of uint8 batches; each item seen once across ranks.
+
+    `pin_memory` None (the default) pins when CUDA is available: a copy from pageable memory blocks
+    the host, so an unpinned evaluation stalls once per batch. Pass False for a CPU-side consumer on
+    a GPU machine.
+    """
+    pin_memory = torch.cuda.is_available() and pin_memory is not False
     sampler = ShardSampler(len(split), batch_size, shuffle=False, drop_last=False, rank=rank, world_size=world_size)
     return DataLoader(_UInt8Batches(split), sampler=sampler, batch_size=None, num_workers=num_workers,
                       pin_memory=pin_memory)

@@ -24,6 +24,7 @@ row no split points at.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,3 +172,10 @@ def data_fingerprint(prepared_dir: Path) -> str:
     identity = {"classes": index["classes"], "size": index["size"], "channels": index["channels"],
                 "splits": {s: v["fingerprint"] for s, v in index["splits"].items()}}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_sources(prepared_dir: Path, n: int | None = None) -> list[str]:
+    """Source paths of the test split's images in its order (the first `n`; None: all): what
+    evaluate's predictions.csv lists and the gate checks it against."""
+    with open(Path(prepared_dir) / "test_meta.jsonl", encoding="utf-8") as fh:
+        return list(itertools.islice((json.loads(line)["source"] for line in fh), n))

@@ -98,7 +98,7 @@ def parity(model: torch.nn.Module, scripted: torch.jit.ScriptModule,
     split = balanced_subset(whole, max_images)
     transform = make_transform({**meta, "channels_last": False})
     ref, ts, ox, labels = [], [], [], []
-    for images, y in build_eval_loader(split, batch_size=batch_size):
+    for images, y in build_eval_loader(split, batch_size=batch_size, pin_memory=False):
         x = transform(images)
         ref.append(model(x))
         ts.append(scripted(x))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import statistics
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 
 from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.store import open_split, read_index
+from cnnpipe.data.store import open_split, read_index, test_sources
 from cnnpipe.evaluate.gallery import most_confident_mistakes, save_gallery
 from cnnpipe.evaluate.metrics import (
     calibration_bins,
@@ -43,12 +42,6 @@ def split_warnings(images: int, carved: list[str]) -> list[str]:
         warnings.append("the test split was carved out of the training images (the source has no test/ folder): "
                         "it shares their collection process, so top-1 may be optimistic for new images")
     return warnings
-
-
-def test_sources(prepared_dir: Path, n: int) -> list[str]:
-    """Source paths of the first `n` test images (prepared order)."""
-    with open(prepared_dir / "test_meta.jsonl", encoding="utf-8") as fh:
-        return [json.loads(line)["source"] for line, _ in zip(fh, range(n))]
 
 
 def write_predictions(path: Path, summary: dict[str, Any], labels: list[int], classes: list[str],

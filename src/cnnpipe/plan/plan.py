@@ -22,7 +22,7 @@ Everything here is pure: numbers in, numbers out. `budget.py` applies the choice
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Sequence
 
@@ -98,8 +98,6 @@ class Recipe:
     scale: float = 1.0
     """Training speed of the whole job over the profiled single process (`world_scaling`)."""
     scaling: str = "one process"
-    train_images: int | None = None
-    """The training split's size: a run whose epochs draw all of it keeps its batch (`batch_for_steps`)."""
     startup_s: float = 0.0
     """A stage's start-up on this machine (imports, data, model), as the profile measured its own;
     0: not measured (older profiles), `STARTUP_S` applies."""
@@ -107,10 +105,11 @@ class Recipe:
     """fp32 images/s on the CPU, where export checks its files (profile); None: older profiles."""
 
     def batch_for(self, images_per_epoch: int) -> int:
-        """The per-process batch training will use when each epoch draws `images_per_epoch` images."""
+        """The per-process batch training will use when each epoch draws `images_per_epoch` images
+        (`train.min_steps` halves it for a run of few steps, whatever share of the split an epoch draws)."""
         batch = self.global_batch if self.batch_size is None else self.batch_size
         return batch_for_steps(batch, self.min_steps, images_per_epoch, self.epochs, self.world_size,
-                               self.accum_steps, self.train_images)
+                               self.accum_steps)
 
     def train_speed(self, images_per_epoch: int) -> float:
         """Training images/s at the batch that run will use."""
@@ -221,7 +220,6 @@ def _frac(f: float) -> str:
 def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, budget_minutes: float | None,
               requested_images: int | None = None, previous: float | None = None) -> dict[str, Any]:
     """The plan: per-stage predictions, the chosen images per epoch, and the reasons."""
-    recipes = [replace(r, train_images=n_train) for r in recipes]
     full = n_train if requested_images is None else min(n_train, requested_images)
     budget_s = None if budget_minutes is None else budget_minutes * 60.0
     fraction, reason = choose_fraction(recipes, full, n_val, n_test, budget_s, previous)

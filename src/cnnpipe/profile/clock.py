@@ -1,10 +1,9 @@
 """When a trial may still start, and how long its timed blocks last.
 
-The trials get a window counted from the end of the base measurement (start-up and the first timed
-window are the same whatever follows), sized by two limits: what is left of the stage's share of
-the budget once the measurements that must follow (the smaller batches' speeds, the inference
-timing) are set aside, and a fifth of the training the profile informs, never under
-`MIN_WINDOW_S`. A trial starts only when one as long as the longest so far still fits, so the
+The trials get a window counted from their start (`box` sized everything before it: the base
+measurement, the trace and the inference timing), set by two limits: what is left of the stage's time box once the parts that must follow
+(the smaller batches' share, the last inference timing) are set aside, and a fifth of the training
+the profile informs, never under `MIN_WINDOW_S`. A trial starts only when one as long as the longest so far still fits, so the
 stage ends inside its box instead of running its last trial past it.
 """
 
@@ -25,6 +24,11 @@ default split trains in ~10 s, and a fifth of that would tune nothing."""
 MIN_BLOCK_S = 0.4
 """A timed block lasts at least this long: two ResNet-50 steps at 32 px take ~25 ms on an H200,
 inside its step-to-step jitter. On the CPU two steps already take longer."""
+
+COMPILE_S = 90.0
+"""What a compile trial adds to a trial before its first step: inductor compiling ResNet-50's forward
+and backward took 38 s on an H200's host and 74 s on a 2-core Zen 4 VM (`docs/benchmarks.md`). A
+compile trial starts only when the window holds this too."""
 
 OUT_OF_TIME = ("not measured: the profile's time box was spent (profile.budget_share of run.budget_minutes, "
                "and at most a fifth of the training it informs)")
@@ -68,9 +72,9 @@ class TrialClock:
     def elapsed(self) -> float:
         return self.now() - self.start
 
-    def out_of_time(self) -> bool:
-        """True when a trial as long as `trial_s` would end past the window."""
-        return self.window_s is not None and self.elapsed() + self.trial_s > self.window_s
+    def out_of_time(self, extra_s: float = 0.0) -> bool:
+        """True when a trial as long as `trial_s` (plus `extra_s`) would end past the window."""
+        return self.window_s is not None and self.elapsed() + self.trial_s + extra_s > self.window_s
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:

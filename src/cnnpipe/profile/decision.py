@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from cnnpipe.config import VariantConfig
-from cnnpipe.profile.clock import OUT_OF_TIME, TrialClock
-from cnnpipe.profile.measure import Setup, build_setup
-from cnnpipe.profile.trials import Trial, paired_trial
-from cnnpipe.train.distributed import DistInfo
+from cnnpipe.profile.clock import OUT_OF_TIME
+from cnnpipe.profile.trials import Trial, TrialContext
 from cnnpipe.train.tuning import auto_knobs
 
 
@@ -28,62 +25,53 @@ def changed_knobs(current: VariantConfig, tuned: dict[str, Any]) -> dict[str, An
     return {k: v for k, v in tuned.items() if v != getattr(current.train, k)}
 
 
-def confirm_winners(requested: VariantConfig, current: VariantConfig, info: DistInfo, prepared_dir: Path,
-                    base: Setup, results: list[Trial], tuned: dict[str, Any],
-                    clock: TrialClock | None = None) -> tuple[dict[str, Any], Trial | None]:
+def confirm_winners(ctx: TrialContext, results: list[Trial], tuned: dict[str, Any]) -> tuple[dict[str, Any], Trial | None]:
     """Every change the trials would ship is measured once more, in a trial of its own, before it is
     kept: one winning knob by `confirm_single`, several by `confirm_mix`. Returns the values to keep
     and that second trial (None when nothing changed, or a single win past the time box)."""
-    changed = changed_knobs(current, tuned)
-    clock = clock or TrialClock.unlimited(current.profile.trial_steps)
+    changed = changed_knobs(ctx.cfg, tuned)
     if not changed:
         return tuned, None
     if len(changed) == 1:
-        return confirm_single(current, info, prepared_dir, base, tuned, changed, clock)
-    return confirm_mix(current, info, prepared_dir, base, results, tuned, changed, clock)
+        return confirm_single(ctx, tuned, changed)
+    return confirm_mix(ctx, results, tuned, changed)
 
 
-def _second_trial(name: str, changed: dict[str, Any], current: VariantConfig, info: DistInfo,
-                  prepared_dir: Path, base: Setup, clock: TrialClock) -> Trial:
-    p = current.profile
-    with clock.timing():
-        candidate = build_setup(current.with_train(**changed), info, prepared_dir)
-        return paired_trial(name, changed, base, candidate, p.trial_rounds, clock.block, p.min_gain)
+def _second_trial(ctx: TrialContext, name: str, changed: dict[str, Any]) -> Trial:
+    with ctx.clock.timing():
+        return ctx.paired(name, changed, ctx.build(**changed))
 
 
-def confirm_single(current: VariantConfig, info: DistInfo, prepared_dir: Path, base: Setup,
-                   tuned: dict[str, Any], changed: dict[str, Any],
-                   clock: TrialClock) -> tuple[dict[str, Any], Trial | None]:
+def confirm_single(ctx: TrialContext, tuned: dict[str, Any], changed: dict[str, Any]) -> tuple[dict[str, Any], Trial | None]:
     """One winning knob (trial "confirm") is dropped unless a second trial wins too.
 
     Why: a few rounds of short blocks on a drifting VM can crown a knob that trains slower (the PIL
     loader beat the batched one 1.08x in every round once, then trained with 6% data wait). Past the
     time box the one measured win stands, with nothing more timed.
     """
-    if clock.out_of_time():
+    if ctx.clock.out_of_time():
         return tuned, None
-    trial = _second_trial("confirm", changed, current, info, prepared_dir, base, clock)
+    trial = _second_trial(ctx, "confirm", changed)
     if trial.win:
         return tuned, trial
     trial.note = "the second trial did not win: default kept"
-    return {k: getattr(current.train, k) for k in tuned}, trial
+    return {k: getattr(ctx.cfg.train, k) for k in tuned}, trial
 
 
-def confirm_mix(current: VariantConfig, info: DistInfo, prepared_dir: Path, base: Setup, results: list[Trial],
-                tuned: dict[str, Any], changed: dict[str, Any],
-                clock: TrialClock) -> tuple[dict[str, Any], Trial]:
+def confirm_mix(ctx: TrialContext, results: list[Trial], tuned: dict[str, Any],
+                changed: dict[str, Any]) -> tuple[dict[str, Any], Trial]:
     """Knobs that each won alone are measured together (trial "combined"); when the mix does not win,
     or the time box leaves no room to measure it, only the best single change is kept."""
-    if clock.out_of_time():
+    if ctx.clock.out_of_time():
         trial = Trial("combined", changed, note=OUT_OF_TIME)
     else:
-        trial = _second_trial("combined", changed, current, info, prepared_dir, base, clock)
+        trial = _second_trial(ctx, "combined", changed)
         if trial.win:
             return tuned, trial
         trial.note = "the mix did not win"
     best = max((t for t in results if t.win and t.knob in changed), key=lambda t: t.speedup)
     trial.note += f"; kept only {best.knob}={best.change[best.knob]}"
-    return {k: (best.change[k] if k == best.knob else getattr(current.train, k)) for k in tuned}, trial
+    return {k: (best.change[k] if k == best.knob else getattr(ctx.cfg.train, k)) for k in tuned}, trial
 
 
 def tuned_speedup(current: VariantConfig, tuned: dict[str, Any], results: list[Trial],

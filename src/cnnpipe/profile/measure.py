@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.autograd import DeviceType
@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.loaders import TrainLoader
 from cnnpipe.data.store import open_split
+from cnnpipe.profile.box import TraceSteps
 from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
 from cnnpipe.train.distributed import DistInfo, unwrap
@@ -120,15 +121,30 @@ def build_setup(cfg: VariantConfig, info: DistInfo, prepared_dir: Path) -> Setup
     return Setup(cfg, ctx, parts.loader, parts.global_batch, parts.steps_per_epoch, parts.split.channels)
 
 
-def train_step(s: Setup, timer: RegionTimer | None = None) -> None:
-    """One optimizer step (all its micro-batches), each phase in its own region when `timer` is given."""
+def train_step(s: Setup, timer: RegionTimer | None = None, limit: int | None = None) -> None:
+    """One optimizer step (all its micro-batches), each phase in its own region when `timer` is given;
+    `limit`: only the first `limit` images of each batch (the probe)."""
     region = timer.region if timer is not None else no_region
     accum = s.cfg.train.accum_steps
     for micro in range(accum):
         with region("data_wait"):
             images, labels = s.next_batch()
+        if limit is not None:
+            images, labels = images[:limit], labels[:limit]
         micro_step(s.ctx, images, labels, s.loader.device_transform, s.step, micro == 0, micro == accum - 1, region)
     s.step += 1
+
+
+def probe_per_image(s: Setup, images: int) -> float:
+    """Seconds per image of one training step on the first `images` images of each micro-batch,
+    after one untimed such step (allocation, kernel selection): what sizes the rest of the profile."""
+    images = min(images, s.cfg.train.batch_size)
+    train_step(s, limit=images)
+    sync_device(s.device)
+    t0 = time.perf_counter()
+    train_step(s, limit=images)
+    sync_device(s.device)
+    return (time.perf_counter() - t0) / (images * s.cfg.train.accum_steps)
 
 
 def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[str, float], float]:
@@ -148,21 +164,32 @@ def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[st
     return times, timer.totals, cpu_util
 
 
-def inference_times(s: Setup, calls: int = 3) -> list[float]:
-    """Seconds per forward pass of `INFERENCE_BATCH` images through this setup's model (eval mode, no
+def inference_times(s: Setup, batch: int = INFERENCE_BATCH, calls: int = 3) -> list[float]:
+    """Seconds per forward pass of `batch` images through this setup's model (eval mode, no
     autograd, its precision and layout): the speed validation, `evaluate` and `export` run at, for
     the plan. Measured, because a training step's forward share overstates it by up to 2x."""
     return forward_times(unwrap(s.ctx.model), s.in_chans, s.cfg.data.image_size, s.cfg.train.channels_last,
-                         s.ctx.amp, s.device, batch=INFERENCE_BATCH, calls=calls)
+                         s.ctx.amp, s.device, batch=batch, calls=calls)
 
 
-def cpu_fp32_inference(s: Setup, calls: int = 2) -> float:
-    """Images/s of this setup's model in fp32 on the CPU, contiguous layout, at the eval batch: where
-    and how export checks its files (ONNX Runtime runs on the CPU), whatever the training device."""
+def cpu_fp32_inference(s: Setup, share_s: float | None = None, calls: int = 2) -> tuple[float, int]:
+    """(images/s, batch) of this setup's model in fp32 on the CPU, contiguous layout: where and how
+    export checks its files (ONNX Runtime runs on the CPU), whatever the training device.
+
+    At the eval batch, unless `share_s` (seconds) is too short for `calls` timed calls and one untimed
+    one there: then at the largest halved batch that fits, sized by one call at batch 8 first (the
+    CPU's speed has nothing to do with a GPU's, so nothing measured before can size it).
+    """
     model = copy.deepcopy(unwrap(s.ctx.model)).float().cpu().to(memory_format=torch.contiguous_format)
-    times = forward_times(model, s.in_chans, s.cfg.data.image_size, False, "off", torch.device("cpu"),
-                          batch=INFERENCE_BATCH, calls=calls)
-    return INFERENCE_BATCH / statistics.median(times)
+    cpu = torch.device("cpu")
+    batch = INFERENCE_BATCH
+    if share_s is not None:
+        per_image = forward_times(model, s.in_chans, s.cfg.data.image_size, False, "off", cpu, batch=8,
+                                  calls=1)[0] / 8
+        while batch > 8 and (calls + 1) * batch * per_image > share_s:
+            batch //= 2
+    times = forward_times(model, s.in_chans, s.cfg.data.image_size, False, "off", cpu, batch=batch, calls=calls)
+    return batch / statistics.median(times), batch
 
 
 def _cpu_seconds() -> float:
@@ -170,13 +197,18 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def trace_window(s: Setup, trace_dir: Path, worker: str) -> dict[str, float | None]:
-    """Run the torch.profiler schedule (wait, warmup, active) and write one TensorBoard trace.
+def trace_window(s: Setup, trace_dir: Path, worker: str, steps: TraceSteps, step_s: float,
+                 on_trace_ready: Callable | None = None) -> dict[str, float | None]:
+    """Run the torch.profiler schedule `steps` and write one TensorBoard trace.
 
-    Returns what only the trace can tell: host syncs per step (on the CPU: scalar reads to Python,
-    which cost about a microsecond there) and, on CUDA, the GPU busy fraction
-    and the Tensor Core share of matrix-kernel time (both taken over the active steps, under the
-    profiler, so the busy fraction is a slight underestimate).
+    Returns what only the trace can tell, read from the recorded steps' own spans (`ProfilerStep#N`),
+    so nothing outside a step counts: not the trace's export in the last `prof.step()`, not the waits
+    that start and end the window. Host syncs per step (on the CPU: scalar reads to Python, which
+    cost about a microsecond there) are the sync events inside the step spans. On CUDA, the GPU busy
+    share is kernel time per recorded step over `step_s`, the un-profiled step time: kernel
+    durations are the GPU's own clock, which the profiler's host-side extras (shapes, memory) do not
+    stretch, while a profiled step's wall time is; and the Tensor Core share of matrix-kernel time.
+    `trace_step_s` is the median profiled step, for comparison with `step_s`.
     """
     trace_dir.mkdir(parents=True, exist_ok=True)
     for stale in trace_dir.glob("*.pt.trace.json*"):
@@ -186,25 +218,33 @@ def trace_window(s: Setup, trace_dir: Path, worker: str) -> dict[str, float | No
         # A CUDA build of torch on a machine without a GPU makes kineto log an ERROR line (its GPU
         # probe) and trace markers on every start; on a CPU-only trace nothing it logs is ours to act on.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    p = s.cfg.profile
+    handler = on_trace_ready or tensorboard_trace_handler(str(trace_dir), worker_name=worker)
     timer = RegionTimer(s.device, enabled=False)  # labels only: events would show up in the trace
-    with profile(activities=activities, schedule=schedule(wait=p.wait, warmup=p.warmup, active=p.active, repeat=1),
-                 on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=worker),
-                 record_shapes=True, profile_memory=True) as prof:
-        for i in range(p.wait + p.warmup + p.active):
-            if i == p.wait + p.warmup:
-                sync_device(s.device)
-                t_active = time.perf_counter()
+    with profile(activities=activities, schedule=schedule(wait=steps.wait, warmup=steps.warmup,
+                                                          active=steps.active, repeat=1),
+                 on_trace_ready=handler, record_shapes=True, profile_memory=True) as prof:
+        for _ in range(steps.total):
             train_step(s, timer)
             prof.step()
-        sync_device(s.device)
-        wall_us = (time.perf_counter() - t_active) * 1e6
-    events = prof.key_averages()
-    kernels = [(e.key, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA]
+    events = list(prof.events())
+    # (kineto also marks each step on the GPU's timeline: the host's marks are the step spans)
+    spans = [(e.time_range.start, e.time_range.end) for e in events
+             if e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU]
+    recorded = len(spans) or steps.active
+    kernels = [(e.key, e.self_device_time_total) for e in prof.key_averages()
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     sync_events = SYNC_EVENTS["cuda" if s.device.type == "cuda" else "cpu"]
-    return {"host_syncs_per_step": sum(e.count for e in events if e.key in sync_events) / p.active,
-            "gpu_busy_frac": busy_fraction(kernels, wall_us) if s.device.type == "cuda" else None,
-            "tensor_core_frac": tensor_core_share(kernels) if s.device.type == "cuda" else None}
+    syncs = sum(1 for e in events if e.name in sync_events and _inside(e.time_range.start, spans))
+    cuda = s.device.type == "cuda"
+    return {"host_syncs_per_step": syncs / recorded,
+            "trace_step_s": statistics.median(b - a for a, b in spans) / 1e6 if spans else None,
+            "gpu_busy_frac": busy_fraction(kernels, recorded * step_s * 1e6) if cuda else None,
+            "gpu_busy_basis": "kernel time per recorded step / un-profiled step time" if cuda else None,
+            "tensor_core_frac": tensor_core_share(kernels) if cuda else None}
+
+
+def _inside(t: float, spans: list[tuple[float, float]]) -> bool:
+    return any(a <= t <= b for a, b in spans)
 
 
 def fractions(totals: dict[str, float]) -> dict[str, float]:

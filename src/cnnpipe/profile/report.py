@@ -67,7 +67,7 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
                  + " | ".join(f"{p['throughput_img_s']:.0f} img/s" for p in profiles.values()) + " |")
     for name, p in profiles.items():
         lines += ["", f"## {name}: bottleneck `{p['bottleneck']}`", "",
-                  f"{p['device']}, {p['threads']} threads, {_image_size(p)}amp={p['amp']}, batch {p['batch_size']}, "
+                  f"{p['device']}, {p['threads']} threads, {_image_size(p)}amp={p['amp']}, {_batch(p)}, "
                   f"CPU utilisation {p['cpu_util']:.0%}, peak memory {p['peak_mem_mb']:.0f} MB, "
                   f"{_syncs(p)}{_gpu_facts(p)}.{_stage_time(p)}", ""]
         if not p["recommendations"]:
@@ -113,6 +113,15 @@ def _image_size(p: dict[str, Any]) -> str:
     return f"{p['image_size']} px{why}, "
 
 
+def _batch(p: dict[str, Any]) -> str:
+    """The batch measured, and the recipe's when the time box made the profile measure a smaller one."""
+    recipe = p.get("recipe_batch_size", p["batch_size"])
+    if recipe == p["batch_size"]:
+        return f"batch {p['batch_size']}"
+    return (f"batch {p['batch_size']} (the recipe's {recipe} does not fit the time box: its speed is taken "
+            f"per image)")
+
+
 def _stage_time(p: dict[str, Any]) -> str:
     """How long the stage ran, against its time box (profile.budget_share of run.budget_minutes, at
     most a fifth of the training it informs)."""
@@ -126,6 +135,8 @@ def _stage_time(p: dict[str, Any]) -> str:
                     f"trials had {p['trial_window_s']:.0f} s after the first measurement, "
                     f"in blocks of {p.get('trial_block_steps', 2)} steps")
         box += ")"
+        if p.get("box_too_small"):
+            box += f"; the box is too small for this recipe: it would need {p['box_needed_s']:.0f} s"
     return f" The stage took {p['stage_time_s']:.0f} s{box}."
 
 

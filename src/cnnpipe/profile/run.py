@@ -18,6 +18,26 @@ import yaml
 from cnnpipe.config import VariantConfig
 from cnnpipe.files import write_json, write_text
 from cnnpipe.monitor import peak_mem_mb, process_seconds, reset_peak_memory
+from cnnpipe.profile.box import (
+    BASE_SHARE,
+    BASE_STEPS,
+    FORWARD_SHARE,
+    MARGIN,
+    MIN_MEASURE_BATCH,
+    PROBE_IMAGES,
+    SMALLER_SHARE,
+    TAIL_SHARE,
+    TRACE_SHARE,
+    TimeBox,
+    full_trial_s,
+    inference_plan,
+    measure_batch,
+    needed_box_s,
+    smaller_rounds,
+    steps_within,
+    trace_steps,
+    trial_batch,
+)
 from cnnpipe.profile.clock import TrialClock, block_steps, trial_window
 from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose
@@ -30,10 +50,18 @@ from cnnpipe.profile.measure import (
     inference_times,
     iqr,
     memory_frac,
+    probe_per_image,
     timed_steps,
     trace_window,
 )
-from cnnpipe.profile.trials import Trial, recommended_together, run_trials, smaller_batch_trials, smaller_batches
+from cnnpipe.profile.trials import (
+    Trial,
+    TrialContext,
+    recommended_together,
+    run_trials,
+    smaller_batch_trials,
+    smaller_batches,
+)
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.precision import math_mode
 from cnnpipe.train.tuning import auto_knobs, resolve_auto
@@ -51,59 +79,88 @@ def _with_measurement(rec: Recommendation, results: list[Trial]) -> dict[str, An
 
 
 def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path, trace_dir: Path,
-                    with_trials: bool, time_box_s: float | None = None) -> dict[str, Any]:
+                    with_trials: bool, time_box_s: float | None = None, box: TimeBox | None = None) -> dict[str, Any]:
     """Everything metrics/profile/<variant>.json holds (`tuned`: values for the `auto` knobs).
 
-    `time_box_s` is the stage's share of the budget (seconds since the process started; None: no
-    budget). The trials get the window `clock.trial_window` gives, counted from the end of the base
-    measurement, with the smaller batches' speeds and the inference timing (which the plan needs,
-    and which always run) set aside; a trial that no longer fits is noted, not timed.
+    `time_box_s` is the stage's share of the budget, counted from the process start (None: no
+    budget); `box` overrides that deadline (tests). One probe step sizes every part to a share of
+    what the box has left (`box`): the base measurement (at a smaller batch when the recipe's is too
+    slow for the box), the trace, the smaller batches' speeds, the inference timing and the trials.
     """
     cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
     p, t = cfg.profile, cfg.train
+    box = box or TimeBox.from_process_start(time_box_s, process_seconds())
     reset_peak_memory(info.device)
     t0 = time.perf_counter()
-    base = build_setup(cfg, info, prepared_dir)
+    setup = build_setup(cfg, info, prepared_dir)
     setup_s = time.perf_counter() - t0
     startup_s = process_seconds()  # imports, data and model: what each later stage pays before its first step
-    times, totals, cpu_util = timed_steps(base, warmup=1, steps=max(p.active, p.trial_steps * p.trial_rounds))
+    probe_s = probe_per_image(setup, PROBE_IMAGES) * t.accum_steps  # per image of train.batch_size (x accum)
+    left = box.left()
+    share = (lambda f: None) if left is None else (lambda f: max(0.0, f * left))
+    batch = measure_batch(probe_s, t.batch_size, left)
+    too_small = left is not None and BASE_STEPS * probe_s * batch > BASE_SHARE * left
+    measured = cfg if batch == t.batch_size else cfg.with_train(batch_size=batch)
+    if batch == t.batch_size:
+        base = setup
+    else:
+        del setup  # (its model and optimizer state: the base builds its own)
+        base = build_setup(measured, info, prepared_dir)
+    wanted = max(p.active, p.trial_steps * p.trial_rounds)
+    # the base's share, less what a rebuild at a smaller batch took and its own warm-up step
+    base_share = None if left is None else share(BASE_SHARE) - (left - box.left()) - probe_s * batch
+    times, totals, cpu_util = timed_steps(base, warmup=1, steps=steps_within(base_share, probe_s * batch, wanted, 2))
     step_s = statistics.median(times)
-    traced = trace_window(base, trace_dir, worker=f"{cfg.variant}_rank{info.rank}")
+    per_image_s = step_s / base.images_per_step
+    trace = trace_steps(p, step_s, share(TRACE_SHARE))
+    traced = trace_window(base, trace_dir, f"{cfg.variant}_rank{info.rank}", trace, step_s)
     peak_mb, mem_frac = peak_mem_mb(info.device), memory_frac(info.device)  # the recipe's own, before any trial
-    t0 = time.perf_counter()
-    inference_s = inference_times(base)  # timed again at the end: the VM's speed drifts within minutes
-    export_img_s = cpu_fp32_inference(base)
-    tail_s = time.perf_counter() - t0
+    inference = inference_plan(per_image_s, share(TAIL_SHARE), INFERENCE_BATCH)
+    inference_s = inference_times(base, inference.batch, inference.calls)
+    export_img_s, export_batch = cpu_fp32_inference(base, share(TAIL_SHARE))
     training_s = t.epochs * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
     block = block_steps(step_s, p.trial_steps)
-    trial_s = setup_s + 2 * p.trial_rounds * (block + 1) * step_s  # a full trial at the base's speed
-    must_follow = len(smaller_batches(cfg)) * trial_s + tail_s if with_trials else 0.0
-    box_left = None if time_box_s is None else time_box_s - process_seconds() - must_follow
-    clock = TrialClock(trial_window(box_left, training_s), block, trial_s)
+    batches = smaller_batches(cfg) if with_trials else []
+    rounds_for, smaller_s = smaller_rounds(batches, batch, share(SMALLER_SHARE), block,
+                                           per_image_s * t.accum_steps, setup_s, p.trial_rounds)
+    end_s = 2 * inference.batch * per_image_s * FORWARD_SHARE  # the inference timing repeated at the end
+    box_left = None if left is None else box.left() - smaller_s - end_s - MARGIN * left
+    clock = TrialClock(trial_window(box_left, training_s), block,
+                       setup_s + 2 * p.trial_rounds * (block + 1) * step_s)  # a full trial at the base's speed
+    # Where not one full trial fits at the measured batch, the trials run at a smaller one.
+    tried = trial_batch(per_image_s * t.accum_steps, batch, clock.window_s, setup_s, p.trial_rounds, p.trial_steps)
+    trial_cfg = measured if tried == batch else measured.with_train(batch_size=tried)
+    trial_base = base
+    if with_trials and tried != batch:
+        trial_base = build_setup(trial_cfg, info, prepared_dir)
+        clock.block = block_steps(per_image_s * tried, p.trial_steps)
+        clock.trial_s = full_trial_s(per_image_s * t.accum_steps, tried, setup_s, p.trial_rounds, p.trial_steps)
     facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,
-                  channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=t.batch_size,
+                  channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=batch,
                   utilization=cpu_util if info.device.type == "cpu" else traced["gpu_busy_frac"],
                   memory_frac=mem_frac, host_syncs_per_step=traced["host_syncs_per_step"],
                   tensor_core_frac=traced["tensor_core_frac"])
     results: list[Trial] = []
     tuned = {k: getattr(t, k) for k in auto_knobs(requested)}
     combined, smaller, gain = None, [], 1.0
+    ctx = TrialContext(trial_cfg, requested, info, prepared_dir, trial_base, clock)
+    at_base = TrialContext(measured, requested, info, prepared_dir, base, clock)  # the smaller batches' reference
     if with_trials:
         recommended = [r.knob for r in diagnose(facts)[1] if r.knob]  # bottleneck first
-        results = run_trials(cfg, requested, info, prepared_dir, base, recommended, clock)
+        results = run_trials(ctx, recommended, grow_batch=tried == t.batch_size)
         best = best_batch(results)
         facts = dataclasses.replace(facts, batch_gain=best.speedup if best else None,
                                     best_batch=best.change["batch_size"] if best else None)
-        tuned, combined = confirm_winners(requested, cfg, info, prepared_dir, base, results,
-                                           tuned_settings(requested, cfg, results), clock)
-        gain = tuned_speedup(cfg, tuned, results, combined)
-        smaller = smaller_batch_trials(requested, cfg, info, prepared_dir, base, tuned, gain, clock)
+        tuned, combined = confirm_winners(ctx, results, tuned_settings(requested, trial_cfg, results))
+        gain = tuned_speedup(trial_cfg, tuned, results, combined)
+        smaller = smaller_batch_trials(at_base, batches, tuned, gain, rounds_for)
     at_batch = {e["change"]["batch_size"]: e["at_batch"] for e in smaller if e["at_batch"]}
     label, recs = diagnose(facts)
     if with_trials and combined is None and not clock.out_of_time():  # (`gain` cannot be this mix's)
-        combined = recommended_together(cfg, info, prepared_dir, base, results,
-                                        [r.knob for r in recs if r.knob and r.knob != "batch_size"], clock.block)
-    inference_s += inference_times(base)
+        combined = recommended_together(ctx, results, [r.knob for r in recs if r.knob and r.knob != "batch_size"])
+    inference_s += inference_times(base, inference.batch, calls=1)
+    spent = None if left is None or time_box_s is None else time_box_s - left  # up to the probe's end
+    needed = needed_box_s(probe_s, min(t.batch_size, MIN_MEASURE_BATCH), spent) if too_small and spent else None
     return {
         "variant": cfg.variant,
         "device": info.device.type,
@@ -112,17 +169,22 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "image_size_auto": requested.data.image_size == "auto",
         "amp": base.ctx.amp,
         "math": math_mode(base.ctx.amp, info.device),
-        "batch_size": t.batch_size,
+        "batch_size": batch,
+        "recipe_batch_size": t.batch_size,
         "step_time_median_s": step_s,
         "step_time_iqr_s": iqr(times),
         "steps_timed": len(times),
         "throughput_img_s": base.images_per_step / step_s,
-        "inference_img_s": INFERENCE_BATCH / statistics.median(inference_s),
+        "probe_s_per_image": probe_s,
+        "inference_img_s": inference.batch / statistics.median(inference_s),
+        "inference_batch": inference.batch,
         "export_img_s": export_img_s,
+        "export_batch": export_batch,
         "startup_s": startup_s,
         "fractions": facts.fractions,
         "cpu_util": cpu_util,
         **traced,
+        "trace_steps": dataclasses.asdict(trace),
         "peak_mem_mb": peak_mb,
         "memory_frac": mem_frac,
         "bottleneck": label,
@@ -132,8 +194,12 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "min_gain": p.min_gain,
         "trial_rounds": p.trial_rounds,
         "time_box_s": time_box_s,
+        "box_left_after_probe_s": left,
+        "box_too_small": needed is not None,
+        "box_needed_s": needed,
         "training_estimate_s": training_s,
         "trial_window_s": clock.window_s,
+        "trial_batch": tried,
         "trial_block_steps": block,
         # `at_batch`: values that differ at a batch `train.min_steps` may pick (training applies them there).
         "tuned": {**tuned, "at_batch": at_batch} if at_batch else tuned,
@@ -156,7 +222,19 @@ def summary(result: dict[str, Any]) -> str:
     shares = ", ".join(f"{k} {v:.0%}" for k, v in result["fractions"].items() if v >= 0.01)
     lines = [f"profile[{result['variant']}] at {result.get('image_size')} px: "
              f"{result['step_time_median_s'] * 1000:.0f} ms/step, "
-             f"{result['throughput_img_s']:.0f} img/s; {shares}; bottleneck: {result['bottleneck']}"]
+             f"{result['throughput_img_s']:.0f} img/s at batch {result['batch_size']}; {shares}; "
+             f"bottleneck: {result['bottleneck']}"]
+    recipe_batch = result.get("recipe_batch_size", result["batch_size"])
+    if recipe_batch != result["batch_size"]:
+        lines.append(f"  measured at batch {result['batch_size']}, not the recipe's {recipe_batch}: three steps there "
+                     f"do not fit the time box; its speed is taken per image (a step's time in proportion to its batch)")
+    if result.get("trial_batch", result["batch_size"]) != result["batch_size"]:
+        lines.append(f"  trials at batch {result['trial_batch']}: not one full trial fits the trial window at batch "
+                     f"{result['batch_size']}; the values they measure are taken for the recipe's batch")
+    if result.get("box_too_small"):
+        lines.append(f"  the time box ({result['time_box_s'] or 0:.0f} s) is too small to profile this recipe at any batch: "
+                     f"it would need {result['box_needed_s']:.0f} s (raise run.budget_minutes or "
+                     f"profile.budget_share); the plan counts the time this stage really took")
     lines += [f"  - {rec['action']}  (evidence: {rec['evidence']})" for rec in result["recommendations"]]
     for trial in all_trials(result):
         low, high = trial["speedup_range"]
@@ -165,8 +243,9 @@ def summary(result: dict[str, Any]) -> str:
     for entry in result.get("smaller_batches", []):
         retuned = "".join(f"; {t['knob']}={t['change'][t['knob']]} there ({t['speedup']:.2f}x)"
                           for t in entry["knob_trials"] if t["win"])
+        how = " (predicted: no room to measure it)" if entry.get("predicted") else ""
         lines.append(f"  batch {entry['change']['batch_size']} (for train.min_steps): {entry['speedup']:.2f}x "
-                     f"the speed of batch {result['batch_size']}{retuned}")
+                     f"the speed of batch {result['batch_size']}{retuned}{how}")
     if result["tuned"]:
         lines.append(f"  tuned (for the `auto` params): {result['tuned']}")
     return "\n".join(lines)

@@ -13,7 +13,8 @@ import torch
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.hardware import cpu_has_fast_bf16
-from cnnpipe.profile.clock import OUT_OF_TIME, TrialClock
+from cnnpipe.profile.box import PREDICTED
+from cnnpipe.profile.clock import COMPILE_S, OUT_OF_TIME, TrialClock
 from cnnpipe.profile.diagnosis import MEMORY_FRAC
 from cnnpipe.profile.measure import Setup, build_setup, memory_frac, train_step
 from cnnpipe.train.distributed import DistInfo
@@ -40,6 +41,31 @@ class Trial:
         return {"knob": self.knob, "change": self.change, "speedup": self.speedup,
                 "speedup_range": list(self.speedup_range), "before_img_s": self.before_img_s,
                 "after_img_s": self.after_img_s, "win": self.win, "note": self.note}
+
+
+@dataclass
+class TrialContext:
+    """What every trial needs, said once: the profiled config, the setup it is measured against, the
+    params as asked (which knobs are `auto`), where it runs and the clock that times the trials."""
+
+    cfg: VariantConfig
+    """The profiled config, resolved, at the batch the profile measures at."""
+    requested: VariantConfig
+    info: DistInfo
+    prepared_dir: Path
+    base: Setup
+    clock: TrialClock
+
+    def build(self, **change: Any) -> Setup:
+        """A setup of the profiled config with `change` applied."""
+        return build_setup(self.cfg.with_train(**change), self.info, self.prepared_dir)
+
+    def paired(self, knob: str, change: dict[str, Any], candidate: Setup, current: Setup | None = None,
+               rounds: int | None = None) -> Trial:
+        """`candidate` against `current` (the base), in blocks of the clock's length."""
+        p = self.cfg.profile
+        return paired_trial(knob, change, current or self.base, candidate, rounds or p.trial_rounds,
+                            self.clock.block, p.min_gain)
 
 
 CLEAR_LOSS = 0.5
@@ -131,40 +157,41 @@ def smaller_batches(cfg: VariantConfig) -> list[int]:
     return [] if cfg.train.min_steps is None else halved_batches(cfg.train.batch_size)
 
 
-def run_trials(cfg: VariantConfig, requested: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
-               recommended: Sequence[str], clock: TrialClock | None = None) -> list[Trial]:
-    """Measure each candidate against `current`, then grow the batch while it pays; a candidate whose
-    turn comes when `clock` has no room for another trial is noted, not timed."""
-    p = cfg.profile
-    clock = clock or TrialClock.unlimited(p.trial_steps)
-    results = []
-    for knob, change in candidates(cfg, requested, info.device, recommended):
-        if clock.out_of_time():
+def run_trials(ctx: TrialContext, recommended: Sequence[str], grow_batch: bool = True) -> list[Trial]:
+    """Measure each candidate against the base, then grow the batch while it pays (`grow_batch`); a
+    candidate whose turn comes when the clock has no room for another trial is noted, not timed."""
+    p, clock, results = ctx.cfg.profile, ctx.clock, []
+    for knob, change in candidates(ctx.cfg, ctx.requested, ctx.info.device, recommended):
+        if clock.out_of_time(COMPILE_S if knob == "compile" else 0.0):
             reason = OUT_OF_TIME
         else:  # `profile.trial_ruled_out` times what the hardware rules out too
-            reason = "" if p.trial_ruled_out else ruled_out(change, info.device)
+            reason = "" if p.trial_ruled_out else ruled_out(change, ctx.info.device)
         if reason:
             results.append(Trial(knob, change, note=reason))
             continue
         with clock.timing():
             if knob == "compile":
-                results.append(compile_trial(cfg, info, prepared_dir, current, change, clock.block))
+                results.append(compile_trial(ctx, change))
                 continue
-            candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
-            results.append(paired_trial(knob, change, current, candidate, p.trial_rounds, clock.block, p.min_gain))
+            candidate = ctx.build(**change)
+            results.append(ctx.paired(knob, change, candidate))
             del candidate
-    results += batch_trials(cfg, info, prepared_dir, current, clock=clock)
+    if grow_batch:
+        results += batch_trials(ctx)
+    else:
+        results.append(Trial("batch_size", {"batch_size": ctx.cfg.train.batch_size * 2}, note=LARGER_DO_NOT_FIT))
     return results
 
 
-def batch_trials(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
-                 max_doublings: int = 2, clock: TrialClock | None = None) -> list[Trial]:
+LARGER_DO_NOT_FIT = "not measured: the profile measured at a smaller batch, a larger one does not fit its time box"
+
+
+def batch_trials(ctx: TrialContext, max_doublings: int = 2) -> list[Trial]:
     """Double the batch while each doubling adds `min_gain`, memory stays under the memory rule's
     threshold, nothing OOMs and the clock has room."""
-    p, results, previous = cfg.profile, [], None
-    clock = clock or TrialClock.unlimited(p.trial_steps)
+    p, info, clock, results, previous = ctx.cfg.profile, ctx.info, ctx.clock, [], None
     for k in range(1, max_doublings + 1):
-        change = {"batch_size": cfg.train.batch_size * 2 ** k}
+        change = {"batch_size": ctx.cfg.train.batch_size * 2 ** k}
         if clock.out_of_time():
             results.append(Trial("batch_size", change, note=OUT_OF_TIME))
             break
@@ -172,8 +199,8 @@ def batch_trials(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current
             torch.cuda.reset_peak_memory_stats(info.device)  # the peak below is this candidate's
         try:
             with clock.timing():
-                candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
-                trial = paired_trial("batch_size", change, current, candidate, p.trial_rounds, clock.block, p.min_gain)
+                candidate = ctx.build(**change)
+                trial = ctx.paired("batch_size", change, candidate)
                 del candidate
         except torch.OutOfMemoryError:
             results.append(Trial("batch_size", change, note="out of memory"))
@@ -200,31 +227,44 @@ at 64 in fp32 on a one-core CPU (0.94x and 1.09x for NCHW, measured), so a layou
 profiled batch can be the wrong one for a short run's batch."""
 
 
-def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: DistInfo, prepared_dir: Path,
-                         current: Setup, tuned: dict[str, Any], tuned_gain: float,
-                         clock: TrialClock | None = None) -> list[dict[str, Any]]:
-    """Speed of each batch `train.min_steps` may halve to, and the batch-sensitive `auto` knobs
-    re-tuned there.
+def smaller_batch_trials(ctx: TrialContext, batches: Sequence[int], tuned: dict[str, Any], tuned_gain: float,
+                         rounds_for: dict[int, int] | None = None) -> list[dict[str, Any]]:
+    """Speed of each batch in `batches` (those `train.min_steps` may halve the recipe's batch to)
+    against the measured one, and the batch-sensitive `auto` knobs re-tuned there.
 
     The batch itself is never tuned for speed (it changes the optimisation); the plan multiplies
     the recipe's speed by `speed_vs_tuned`, and training takes `at_batch` values at that batch.
-    When the clock has no room only the speeds are measured, not the re-tuning.
+    `rounds_for` says how many rounds each batch gets (`box.smaller_rounds`; None: `profile.trial_rounds`);
+    where it gives none, the speed is predicted (`box.PREDICTED`) and marked `predicted`. The
+    measured batch itself is the base (its entry has no speeds of its own: the plan reads the base's). The re-tuning runs only while the
+    clock has room.
     """
-    p, out = cfg.profile, []
-    clock = clock or TrialClock.unlimited(p.trial_steps)
-    recipe = cfg.with_train(**tuned)
-    retune = [k for k in BATCH_SENSITIVE if k in auto_knobs(requested)]
-    for batch in smaller_batches(cfg):
-        at_batch = build_setup(recipe.with_train(batch_size=batch), info, prepared_dir)
-        trial = paired_trial("smaller_batch", {"batch_size": batch}, current, at_batch, p.trial_rounds,
-                             clock.block, p.min_gain)
+    p, out = ctx.cfg.profile, []
+    recipe = ctx.cfg.with_train(**tuned)
+    retune = [k for k in BATCH_SENSITIVE if k in auto_knobs(ctx.requested)]
+    for batch in batches:
+        entry: dict[str, Any] = {"knob": "smaller_batch", "change": {"batch_size": batch}, "at_batch": {},
+                                 "knob_trials": [], "predicted": False}
+        if batch == ctx.cfg.train.batch_size:  # the profile measured at this very batch
+            out.append({**Trial("smaller_batch", {"batch_size": batch}, 1.0, (1.0, 1.0),
+                                note="the batch the profile measured at").to_dict(), **entry,
+                        "speed_vs_tuned": 1.0})
+            continue
+        rounds = p.trial_rounds if rounds_for is None else rounds_for.get(batch, p.trial_rounds)
+        if rounds == 0:
+            out.append({**Trial("smaller_batch", {"batch_size": batch}, 1.0, (1.0, 1.0), note=PREDICTED).to_dict(),
+                        **entry, "predicted": True, "speed_vs_tuned": 1.0})
+            continue
+        at_batch = build_setup(recipe.with_train(batch_size=batch), ctx.info, ctx.prepared_dir)
+        trial = ctx.paired("smaller_batch", {"batch_size": batch}, at_batch, rounds=rounds)
         trial.win = False  # measured for the plan, never tuned: the batch changes the optimisation
-        entry, gain = trial.to_dict(), 1.0
-        entry["at_batch"], entry["knob_trials"] = {}, []
-        for knob in [] if clock.out_of_time() else retune:  # (the speed itself always: the plan needs it)
+        if rounds < p.trial_rounds:
+            trial.note = (trial.note + "; " if trial.note else "") + f"{rounds} of {p.trial_rounds} rounds: the time box"
+        entry, gain = {**trial.to_dict(), **entry}, 1.0
+        for knob in [] if ctx.clock.out_of_time() else retune:  # (the speed itself always: the plan needs it)
             flip = {knob: not getattr(recipe.train, knob), "batch_size": batch}
-            other = build_setup(recipe.with_train(**flip), info, prepared_dir)
-            knob_trial = paired_trial(knob, flip, at_batch, other, p.trial_rounds, clock.block, p.min_gain)
+            other = build_setup(recipe.with_train(**flip), ctx.info, ctx.prepared_dir)
+            knob_trial = ctx.paired(knob, flip, other, current=at_batch)
             entry["knob_trials"].append(knob_trial.to_dict())
             if knob_trial.win:
                 entry["at_batch"][knob], gain = flip[knob], gain * knob_trial.speedup
@@ -235,25 +275,23 @@ def smaller_batch_trials(requested: VariantConfig, cfg: VariantConfig, info: Dis
     return out
 
 
-def compile_trial(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, current: Setup,
-                  change: dict[str, Any] | None = None, steps: int | None = None) -> Trial:
+def compile_trial(ctx: TrialContext, change: dict[str, Any] | None = None) -> Trial:
     """torch.compile (`change`: its mode), judged over the whole run: the per-step gain must repay
     the compile time."""
-    p, change = cfg.profile, change or {"compile": "default"}
+    p, change, current = ctx.cfg.profile, change or {"compile": "default"}, ctx.base
     try:
-        candidate = build_setup(cfg.with_train(**change), info, prepared_dir)
+        candidate = ctx.build(**change)
         t0 = time.perf_counter()
         train_step(candidate)  # compiles forward and backward
-        sync_device(info.device)
+        sync_device(ctx.info.device)
         first_step_s = time.perf_counter() - t0
-        trial = paired_trial("compile", change, current, candidate, p.trial_rounds, steps or p.trial_steps,
-                             p.min_gain)
+        trial = ctx.paired("compile", change, candidate)
     except Exception as exc:  # inductor needs a C++ compiler (CPU) or Triton (CUDA); report, do not fail
         return Trial("compile", change, note=f"compile failed: {type(exc).__name__}: {str(exc)[:200]}")
     step_eager = current.images_per_step / trial.before_img_s
     step_compiled = candidate.images_per_step / trial.after_img_s
     compile_s = max(0.0, first_step_s - step_compiled)
-    total_steps = cfg.train.epochs * current.steps_per_epoch
+    total_steps = ctx.cfg.train.epochs * current.steps_per_epoch
     run_gain = (step_eager * total_steps) / (step_compiled * total_steps + compile_s)
     trial.note = (f"compile took {compile_s:.0f} s; {run_gain:.2f}x over the run's {total_steps} steps "
                   f"(per step {trial.speedup:.2f}x)")
@@ -261,8 +299,7 @@ def compile_trial(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, curren
     return trial
 
 
-def recommended_together(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, base: Setup, results: list[Trial],
-                         knobs: list[str], steps: int | None = None) -> Trial | None:
+def recommended_together(ctx: TrialContext, results: list[Trial], knobs: list[str]) -> Trial | None:
     """The recommended knobs applied at once: they interact (bf16 convolutions want NHWC in oneDNN
     and cuDNN), so the sum of one-at-a-time gains understates what following the advice buys."""
     together = {}
@@ -272,7 +309,4 @@ def recommended_together(cfg: VariantConfig, info: DistInfo, prepared_dir: Path,
             together.update(max(measured, key=lambda t: t.speedup).change)
     if len(together) < 2:
         return None
-    p = cfg.profile
-    candidate = build_setup(cfg.with_train(**together), info, prepared_dir)
-    return paired_trial("recommended", together, base, candidate, p.trial_rounds, steps or p.trial_steps,
-                        p.min_gain)
+    return ctx.paired("recommended", together, ctx.build(**together))

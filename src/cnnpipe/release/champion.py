@@ -9,7 +9,6 @@ when the champion changed: the stage reruns every time, and nothing downstream d
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from cnnpipe.files import CHAMPION_FILE, write_json
+from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
 
 MODEL = "best.pt"
 
@@ -71,22 +70,14 @@ def fetch_champion(repo: Path, name: str, stage: str, out: Path) -> dict[str, An
     temp = out / f".{MODEL}.tmp"
     with dvc.api.open(path, repo=str(repo), rev=found["commit"], mode="rb") as src, open(temp, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
-    digest = _sha256(temp)
-    if (out / MODEL).exists() and _sha256(out / MODEL) == digest:
+    digest = file_sha256(temp)
+    if (out / MODEL).exists() and file_sha256(out / MODEL) == digest:
         temp.unlink()
     else:
         os.replace(temp, out / MODEL)
     about = {**found, "path": path, "sha256": digest}
     _write_if_changed(out / CHAMPION_FILE, about)
     return about
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_if_changed(path: Path, content: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from cnnpipe.config import ReleaseConfig
 from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.store import open_split
+from cnnpipe.data.store import open_split, test_sources
 from cnnpipe.files import CHAMPION_FILE, write_json
 from cnnpipe.release.gate import GateRules, class_changes, decide, paired_counts
 from cnnpipe.train.engine import predict
@@ -43,8 +43,7 @@ def challenger_answers(predictions: Path, prepared_dir: Path, classes: list[str]
     the test split's images in its order."""
     with open(predictions, newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
-    with open(prepared_dir / "test_meta.jsonl", encoding="utf-8") as fh:
-        sources = [json.loads(line)["source"] for line in fh]
+    sources = test_sources(prepared_dir)
     if [r["source"] for r in rows] != sources:
         raise ValueError(f"{predictions} is not for today's test split ({len(rows)} rows, {len(sources)} test images): "
                          "rerun `dvc repro evaluate@optimized`")

@@ -34,5 +34,5 @@ def fit_batch_to_steps(cfg: VariantConfig, n_train: int, world_size: int) -> Var
     """`cfg` with the batch `train.min_steps` asks for, given the images each epoch draws (of `n_train`)."""
     t = cfg.train
     images = n_train if t.images_per_epoch is None else min(n_train, t.images_per_epoch)
-    batch = batch_for_steps(t.batch_size, t.min_steps, images, t.epochs, world_size, t.accum_steps, n_train)
+    batch = batch_for_steps(t.batch_size, t.min_steps, images, t.epochs, world_size, t.accum_steps)
     return cfg if batch == t.batch_size else cfg.with_train(batch_size=batch)

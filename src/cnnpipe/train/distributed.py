@@ -86,8 +86,11 @@ def init_distributed(device_preference: str = "auto", node: int = 0) -> DistInfo
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # device_id binds the process group to this GPU: NCCL connects eagerly at init, and its
+        # barriers and collectives never guess the device from the rank.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=30))
+                                timeout=datetime.timedelta(minutes=30),
+                                device_id=device if device.type == "cuda" else None)
     info = DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
     where = all_gather_objects((node, local_rank, socket.gethostname()), info)
     nodes = sorted(n for n, local, _ in where if local == 0)  # one entry per node's agent
@@ -97,6 +100,11 @@ def init_distributed(device_preference: str = "auto", node: int = 0) -> DistInfo
                              f"({hosts}): give each node its own --node-rank")
     primary = next(r for r, (n, local, _) in enumerate(where) if n == 0 and local == 0)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device, primary_rank=primary)
+
+
+def local_world_size(info: DistInfo) -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, else the whole world (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
 
 
 def cleanup() -> None:
@@ -166,10 +174,12 @@ def check_same_settings(settings: dict[str, Any], info: DistInfo, node: int = 0)
 def sync_buffers(model: torch.nn.Module, info: DistInfo) -> None:
     """Global rank 0's buffers (BatchNorm running statistics) on every rank.
 
-    Each rank updates its running statistics from its own batches, and DDP overwrites them with
-    rank 0's at the start of every forward. Syncing at the end of an epoch changes nothing in
-    training, but validation then runs with one set of statistics on every rank, and the checkpoint
-    holds the ones training continues from, whichever node rank 0 lands on.
+    Each rank updates its running statistics from its own batches; DDP is built without its
+    broadcast of them before every forward (`trainer.step_context`), which training never reads
+    (BatchNorm normalises training batches with their own statistics). Rank 0's statistics are the
+    same either way: they only ever see rank 0's batches. Syncing once at the end of an epoch
+    gives validation one set of statistics on every rank, and the checkpoint the ones training
+    continues from, whichever node rank 0 lands on.
     """
     if info.distributed:
         for buffer in model.buffers():

@@ -81,19 +81,18 @@ def halved_batches(batch_size: int) -> list[int]:
 
 
 def batch_for_steps(batch_size: int, min_steps: int | None, images_per_epoch: int, epochs: int,
-                    world_size: int = 1, accum_steps: int = 1, train_images: int | None = None) -> int:
-    """The per-process batch that gives a shortened run at least `min_steps` optimizer steps.
+                    world_size: int = 1, accum_steps: int = 1) -> int:
+    """The per-process batch that gives the run at least `min_steps` optimizer steps.
 
     `batch_size` is halved until the run has them, never below `MIN_BATCH` (nor above `batch_size`);
     the LR follows through the linear scaling rule. Early in training from scratch the batch that
-    still learns as much per image is small, so a short run (a tight budget draws few images per
-    epoch) at a large batch takes too few steps: measured at 1/8 of Fashion-MNIST per epoch, 4
-    epochs, validation top-1 was 75.4% at batch 256 (104 steps), 80.5% at 128, 81.6% at 64
-    (`bench/short_runs.py`). That evidence is about shortened epochs only: a run whose epochs draw
-    all `train_images` keeps its batch (eight GPUs at batch 256 take few steps per epoch of
-    Fashion-MNIST, and halving their batch would only slow them).
+    still learns as much per image is small, so a run of few steps at a large batch learns less:
+    measured at 1/8 of Fashion-MNIST per epoch, 4 epochs, validation top-1 was 75.4% at batch 256
+    (104 steps), 80.5% at 128, 81.6% at 64 (`bench/short_runs.py`). What counts is the steps, not
+    why they are few: a budget that shortens the epochs, or many processes sharing whole ones
+    (eight GPUs at batch 256 take 26 steps per epoch of Fashion-MNIST, and a warm-up of 8).
     """
-    if min_steps is None or (train_images is not None and images_per_epoch >= train_images):
+    if min_steps is None:
         return batch_size
     for batch in (batch_size, *halved_batches(batch_size)):
         if steps_per_run(images_per_epoch, epochs, batch, world_size, accum_steps) >= min_steps:

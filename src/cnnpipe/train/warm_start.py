@@ -15,8 +15,8 @@ import timm
 import torch
 
 from cnnpipe.config import ModelConfig
-from cnnpipe.files import CHAMPION_FILE
-from cnnpipe.models import InitInfo, create_model, file_sha256, warm_start
+from cnnpipe.files import CHAMPION_FILE, file_sha256
+from cnnpipe.models import InitInfo, create_model, warm_start
 from cnnpipe.train.trained import trained_weights
 
 

@@ -1,0 +1,205 @@
+"""The profile's time box, split by time: every part of the stage is sized from a measured step.
+
+A profile first times one step on a slice of a batch (the probe). From that per-image cost it
+sizes each part to a share of what the box has left, so the stage ends inside its box at any image
+size, batch or device:
+
+- the base measurement: `BASE_SHARE`, at the recipe's batch when three steps fit there, else at the
+  largest halved batch where they do (never under `MIN_MEASURE_BATCH`); a recipe measured at a
+  smaller batch is reported per image, by the rule that a step's time grows in proportion to its
+  batch (a rule, not a law: on a 2-core Xeon batch 256 ran 1.12x faster per image than 128 at 32 px,
+  and 1.43x slower than 64 at 128 px);
+- the trace window: `TRACE_SHARE`, fewer active steps when steps are slow;
+- the smaller batches `train.min_steps` may pick: `SMALLER_SHARE`, fewer rounds when slow, and
+  predicted by the same proportional rule (and marked so) when not even one round fits;
+- the inference timing: `TAIL_SHARE`, at a smaller batch when slow, and the export's fp32 timing on
+  the CPU another `TAIL_SHARE`, sized by a call of its own (`measure.cpu_fp32_inference`);
+- the trials: what is left once the smaller batches' planned rounds and the last inference timing
+  are set aside, less `MARGIN` (`clock.trial_window`); at a halved batch (`trial_batch`) where not
+  one full trial fits at the measured one, so that slow steps still get their `auto` knobs measured,
+  the diagnosis's picks first.
+
+Without a box (no budget) the counts in `profile:` apply unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from cnnpipe.config import ProfileConfig
+from cnnpipe.profile.clock import block_steps
+
+BASE_SHARE = 0.15
+TRACE_SHARE = 0.12
+SMALLER_SHARE = 0.25
+TAIL_SHARE = 0.08
+MIN_MEASURE_BATCH = 16
+"""The smallest batch the profile measures at: below it BatchNorm's statistics and a step's fixed
+costs (the optimizer's update of 25M weights) make a per-image figure unrepresentative."""
+PROBE_IMAGES = 32
+"""Images in the probe step that sizes everything else (a slice of the recipe's first batch). Its
+per-image cost carries the step's fixed costs (the optimizer's update of 25M weights) over 32 images,
+so it overstates the recipe's: on the side of holding the box."""
+MARGIN = 0.10
+"""Share of the box kept free for what the estimates miss (a candidate slower than the base, a VM
+that slows down for a minute)."""
+BASE_STEPS = 3
+"""The fewest steps a base measurement takes: one untimed warm-up at the new batch and two timed."""
+PROFILED_SLOWDOWN = 1.3
+"""How much slower a step runs under torch.profiler with shapes and memory recorded (measured
+1.1-1.3x on a CPU); the trace window is sized with it."""
+FORWARD_SHARE = 1 / 3
+"""A forward pass in eval mode costs about a third of a training step per image (forward, backward
+twice its cost): the inference timing is sized with it before it is measured."""
+
+
+@dataclass
+class TimeBox:
+    """The stage's deadline on the monotonic clock (None: no box); `now` is injectable for tests."""
+
+    deadline: float | None
+    now: Callable[[], float] = time.monotonic
+
+    @classmethod
+    def from_process_start(cls, box_s: float | None, process_s: float) -> TimeBox:
+        """A box of `box_s` counted from the process start, `process_s` seconds ago (imports included:
+        what the stage costs the run)."""
+        return cls(None if box_s is None else time.monotonic() - process_s + box_s)
+
+    def left(self) -> float | None:
+        """Seconds to the deadline (negative when past it; None without a box)."""
+        return None if self.deadline is None else self.deadline - self.now()
+
+
+def measure_batch(per_image_s: float, batch: int, left_s: float | None) -> int:
+    """The batch the base measurement runs at: `batch`, halved while `BASE_STEPS` steps there would
+    take more than `BASE_SHARE` of `left_s`, never under `MIN_MEASURE_BATCH` (nor over `batch`)."""
+    if left_s is None:
+        return batch
+    floor = min(batch, MIN_MEASURE_BATCH)
+    while batch > floor and BASE_STEPS * per_image_s * batch > BASE_SHARE * left_s:
+        batch = max(floor, batch // 2)
+    return batch
+
+
+def needed_box_s(per_image_s: float, batch: int, spent_s: float) -> float:
+    """The box that would measure the base at `batch` (after `spent_s` already spent): its share."""
+    return spent_s + BASE_STEPS * per_image_s * batch / BASE_SHARE
+
+
+def steps_within(share_s: float | None, step_s: float, wanted: int, least: int) -> int:
+    """`wanted` steps, or as many as fit in `share_s` (never under `least`)."""
+    if share_s is None:
+        return wanted
+    return max(least, min(wanted, int(share_s / max(step_s, 1e-9))))
+
+
+@dataclass(frozen=True)
+class TraceSteps:
+    """The torch.profiler schedule: untraced, warm-up and recorded steps."""
+
+    wait: int
+    warmup: int
+    active: int
+
+    @property
+    def total(self) -> int:
+        return self.wait + self.warmup + self.active
+
+
+def trace_steps(p: ProfileConfig, step_s: float, share_s: float | None) -> TraceSteps:
+    """The `profile:` schedule, shortened to fit `share_s`: the wait goes first, then warm-up beyond
+    one step, then active steps beyond one."""
+    if share_s is None:
+        return TraceSteps(p.wait, p.warmup, p.active)
+    fits = max(2, int(share_s / (PROFILED_SLOWDOWN * max(step_s, 1e-9))))
+    active = max(1, min(p.active, fits - 1))
+    warmup = max(1, min(p.warmup, fits - active))
+    wait = max(0, min(p.wait, fits - active - warmup))
+    return TraceSteps(wait, warmup, active)
+
+
+def trial_rounds(share_s: float | None, round_s: float, rounds: int) -> int:
+    """Rounds of a paired measurement that fit in `share_s` (0: none fits, predict instead)."""
+    if share_s is None:
+        return rounds
+    return max(0, min(rounds, int(share_s / max(round_s, 1e-9))))
+
+
+@dataclass(frozen=True)
+class Inference:
+    """How the inference and export speeds are timed: a batch and timed calls of each."""
+
+    batch: int
+    calls: int
+
+
+def inference_plan(per_image_s: float, share_s: float | None, batch: int = 256, calls: int = 3) -> Inference:
+    """`calls` timed forward passes of `batch` (plus one untimed) at the recipe's precision, and the
+    two repeated at the end; fewer calls, then a halved batch (down to 8), until they fit `share_s`.
+
+    `per_image_s` is the training step's cost per image; a forward pass is `FORWARD_SHARE` of it.
+    """
+    if share_s is None:
+        return Inference(batch, calls)
+
+    def cost(b: int, c: int) -> float:
+        return (c + 1 + 2) * b * per_image_s * FORWARD_SHARE
+
+    while calls > 1 and cost(batch, calls) > share_s:
+        calls -= 1
+    while batch > 8 and cost(batch, calls) > share_s:
+        batch //= 2
+    return Inference(batch, calls)
+
+
+def full_trial_s(step_per_image_s: float, batch: int, setup_s: float, rounds: int, trial_steps: int) -> float:
+    """A trial that runs all its rounds at `batch`: a setup built, then each round a block of the
+    current and of the candidate setting, each block with its untimed first step."""
+    step = step_per_image_s * batch
+    return setup_s + rounds * round_seconds(block_steps(step, trial_steps), step, step)
+
+
+def trial_batch(step_per_image_s: float, batch: int, window_s: float | None, setup_s: float, rounds: int,
+                trial_steps: int) -> int:
+    """The batch the trials run at: the measured `batch`, or where not one full trial fits the
+    window there, the largest halved batch where one does (never under `MIN_MEASURE_BATCH`). Slow
+    steps would otherwise leave every `auto` knob unmeasured; the values measured there are taken
+    for the recipe's batch (the layout is measured again at each batch `train.min_steps` may pick)."""
+    if window_s is None:
+        return batch
+    floor = min(batch, MIN_MEASURE_BATCH)
+    while batch > floor and full_trial_s(step_per_image_s, batch, setup_s, rounds, trial_steps) > window_s:
+        batch = max(floor, batch // 2)
+    return batch
+
+
+PREDICTED = ("predicted, not measured: the time box leaves no room for one round here; assumed "
+             "the measured batch's images/s (time per step proportional to the batch)")
+
+
+def round_seconds(block: int, step_a: float, step_b: float) -> float:
+    """One round of a paired trial: a block of each side, each with its untimed first step."""
+    return (block + 1) * (step_a + step_b)
+
+
+def smaller_rounds(batches: list[int], measured_batch: int, share_s: float | None, block: int,
+                   step_per_image_s: float, setup_s: float, rounds: int) -> tuple[dict[int, int], float]:
+    """({batch: rounds} for each smaller batch, and the seconds they will take): each gets an equal
+    part of `share_s`, less the `setup_s` its setup takes to build, and as many paired rounds against
+    the measured batch as fit there (0: predicted instead). The measured batch itself is the base.
+
+    `step_per_image_s` is a step's time per image of its batch, so a step at batch B takes B times it.
+    """
+    others = [b for b in batches if b != measured_batch]
+    if share_s is None:
+        return {b: rounds for b in others}, 0.0
+    plan, cost = {}, 0.0
+    for b in others:
+        one = round_seconds(block, measured_batch * step_per_image_s, b * step_per_image_s)
+        plan[b] = trial_rounds(share_s / len(others) - setup_s, one, rounds)
+        cost += setup_s + plan[b] * one if plan[b] else 0.0
+    return plan, cost
+
