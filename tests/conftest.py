@@ -76,6 +76,17 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
     return folder, json.loads(done.read_text())
 
 
+@pytest.fixture
+def one_thread():
+    """Step times and their shares depend on torch's thread count, which other tests change: one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def prepared(fake_fmnist, tmp_path_factory) -> Path:
     """The synthetic Fashion-MNIST prepared as `tiny_params()` says (read-only: copy it to change it)."""

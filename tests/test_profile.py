@@ -35,13 +35,7 @@ def config(tmp_path, variant="optimized", model=None, **train):
     return resolve(load_params(write_params(tmp_path / "params.yaml", params)), variant)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The step-time shares depend on torch's thread count, which other tests change: fix it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def trial_ctx(cfg, prepared, base=None, requested=None, clock=None):

@@ -3,7 +3,6 @@
 import time
 
 import pytest
-import torch
 
 import cnnpipe.profile.measure as measure
 from cnnpipe.params import load_params, resolve
@@ -27,12 +26,7 @@ SLEEP_PER_IMAGE = 0.008
 """A step that sleeps this long per image: 2 s at batch 256, like ResNet-50 at 128 px on two cores."""
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
