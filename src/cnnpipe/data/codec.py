@@ -183,11 +183,16 @@ def decode_batch_on(buffer: torch.Tensor | np.ndarray, offsets: np.ndarray | tor
 
 # --------------------------------------------------------------------------- auto
 # Measured on real photos at quality 90 (`python bench/store_encoding.py --crossover`, docs/data.md):
-# stored size -> (mean JPEG bytes, simplejpeg decodes per second on one core), per channel count.
-# Grayscale is the same photos in one channel. Interpolated log-log between sizes.
+# stored size -> (mean JPEG bytes, `decode_batch` images per CPU-second of one core of the 2-core
+# Xeon VM, the slowest machine we run on), per channel count; grayscale is the same photos in one
+# channel. Interpolated log-log between sizes.
 MEASURED: dict[int, dict[int, tuple[float, float]]] = {
-    1: {16: (295, 100700), 24: (429, 82277), 32: (601, 58453), 48: (1040, 27102), 64: (1600, 19975), 96: (3044, 10714), 128: (4908, 7004), 160: (7223, 5235), 224: (13388, 2376), 320: (26237, 1371)},
-    3: {16: (450, 47800), 24: (643, 53651), 32: (819, 43458), 48: (1340, 16261), 64: (1998, 16867), 96: (3687, 6722), 128: (5852, 6731), 160: (8536, 4005), 224: (15645, 1559), 320: (30447, 1038)},
+    1: {16: (295, 110329), 24: (429, 74846), 32: (601, 56747), 48: (1040, 39133), 64: (1600, 28838),
+        96: (3044, 15132), 128: (4908, 11159), 160: (7223, 7665), 224: (13388, 4381), 320: (26237, 2170),
+        448: (54176, 973)},
+    3: {16: (450, 70999), 24: (643, 50475), 32: (819, 34781), 48: (1340, 23141), 64: (1998, 16115),
+        96: (3687, 8997), 128: (5852, 7933), 160: (8536, 4241), 224: (15645, 2603), 320: (30447, 1388),
+        448: (61901, 745)},
 }
 
 MIN_SAVING = 2.0
