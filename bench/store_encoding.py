@@ -51,6 +51,7 @@ PACKAGE_PHOTOS = [
     ("matplotlib", "mpl-data/sample_data/grace_hopper.jpg"),
 ]
 SCALES = (1.0, 0.8, 0.64, 0.5)
+_PIL_MODES = {1: "L", 3: "RGB"}
 BATCH = 256
 CATALOGS = (1_280_000, 10_000_000)
 LINKS_GBIT = (1, 10)
@@ -117,7 +118,11 @@ def decoders(channels: int) -> tuple[dict[str, Callable[[bytes], np.ndarray]], d
 
     space = "GRAY" if channels == 1 else "RGB"
     found["simplejpeg"] = lambda d: simplejpeg.decode_jpeg(d, space)
-    found["Pillow"] = lambda d: np.asarray(Image.open(io.BytesIO(d)).convert("L" if channels == 1 else "RGB"))
+    def pillow(data: bytes) -> np.ndarray:
+        image = Image.open(io.BytesIO(data))
+        return np.asarray(image if image.mode == _PIL_MODES[channels] else image.convert(_PIL_MODES[channels]))
+
+    found["Pillow"] = pillow
     from torchvision.io import ImageReadMode, decode_jpeg
 
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB

@@ -4,20 +4,21 @@ A store keeps each image either raw (its uint8 pixels) or as JPEG bytes; `auto` 
 (`choose_encoding`). This module is the codec and nothing else: it knows no shard, index or loader.
 
 Encoding (`encode`): Pillow's libjpeg-turbo, baseline (not progressive: nvJPEG's GPU decode and the
-fastest CPU paths want baseline), Huffman tables optimised per image (5-15% fewer bytes, paid once
-at prepare), chroma 4:2:0 for colour (4:4:4 measured 27% larger and half as fast to decode for
-2.5 dB), one channel for grayscale. The same pixels and quality always give the same bytes.
+fastest CPU paths want baseline), Huffman tables optimised per image (4-15% fewer bytes at 224-64 px,
+paid once at prepare), chroma 4:2:0 for colour (4:4:4 measured 27% larger and half as fast to decode
+for 2.4 dB), one channel for grayscale. The same pixels and quality always give the same bytes.
 
 Decoding on the CPU (`decode`, `decode_batch`) is simplejpeg, chosen by measurement
 (`bench/store_encoding.py`, docs/benchmarks.md): among the maintained libjpeg-turbo bindings it was
-the fastest per core at every stored size measured (about 1.2-1.6x torchvision.io's CPU decode and
-1.3-2x Pillow's, whose per-image object costs most on small images); it decodes straight into a
-slice of the batch array (no copy); its wheel bundles libjpeg-turbo (no system library, unlike
-PyTurboJPEG, whose 2.x also needs a libjpeg-turbo 3 that Debian 13 does not ship); and torchvision's
-image decoders are deprecated since 0.29. All four gave the same pixels on every photo measured
-(accurate integer IDCT, smooth chroma upsampling: the libjpeg defaults, pinned here), but only
-one of them runs here: training, evaluation, prediction and the gate all read a JPEG store through
-`_decode`, so the same stored bytes are the same pixels wherever they are read on a CPU.
+the fastest per core at 64-224 px on real photos (1.2-2.0x torchvision.io's CPU decode, 1.5-4x
+Pillow's, whose per-image object costs most on small images, 1.04-1.5x PyTurboJPEG's); it decodes
+straight into a slice of the batch array (no copy); its wheel bundles libjpeg-turbo (no system
+library, unlike PyTurboJPEG, whose 2.x also needs a libjpeg-turbo 3 that Debian 13 does not ship);
+and torchvision's image decoders are deprecated since 0.29. All four gave the same pixels on every
+photo measured (accurate integer IDCT, smooth chroma upsampling: the libjpeg defaults, pinned here),
+but only one of them runs here: training, evaluation, the gate and the export's checks all read a
+JPEG store through `_decode`, so the same stored bytes are the same pixels wherever they are read on
+a CPU.
 
 Decoding on a GPU (`decode_batch_on`) hands the batch's records to nvJPEG as one list through
 `torchvision.io.decode_jpeg(..., device="cuda")`. nvJPEG's IDCT and upsampling are not libjpeg's:
