@@ -84,6 +84,8 @@ def test_batch_decode_equals_per_image_decode_exactly():
     # a run of records inside a bigger buffer (a shard): offsets need not start at 0
     assert np.array_equal(codec.decode_batch(buffer, offsets[2:6], (48, 48, 3)), single[2:5])
     assert codec.decode_batch(buffer, offsets[:1], (48, 48, 3)).shape == (0, 48, 48, 3)
+    assert codec.decode_batch(*codec.pack([]), (48, 48, 3)).shape == (0, 48, 48, 3)
+    assert np.array_equal(codec.decode_batch(buffer.tobytes(), offsets, (48, 48, 3)), single)  # bytes read from a file
 
 
 def test_batch_decode_names_the_record_that_fails():

@@ -117,10 +117,11 @@ def _check_offsets(offsets: np.ndarray, buffer_len: int) -> np.ndarray:
     return offsets
 
 
-def decode_batch(buffer: np.ndarray, offsets: np.ndarray, frame: tuple[int, int, int],
+def decode_batch(buffer: np.ndarray | bytes, offsets: np.ndarray, frame: tuple[int, int, int],
                  out: np.ndarray | None = None) -> np.ndarray:
     """(N, H, W, C) uint8 from N records of `buffer` (see `pack`), each decoded into its slice of `out`
     (allocated when None). A record that is no JPEG, or not of `frame` = (H, W, C), raises RecordError."""
+    buffer = np.frombuffer(buffer, np.uint8) if isinstance(buffer, (bytes, bytearray, memoryview)) else buffer
     buffer = np.asarray(buffer, dtype=np.uint8).reshape(-1)
     offsets = _check_offsets(offsets, len(buffer))
     channels = _channels(tuple(frame), "frame")
