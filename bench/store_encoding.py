@@ -15,6 +15,7 @@ round.
 `--device cuda` adds nvJPEG's batch decode (`codec.decode_batch_on`, batches of 256 from pinned
 memory; img/s of the whole GPU). `--crossover` prints the table `codec.MEASURED` holds (16-448 px,
 colour and grayscale, and Fashion-MNIST when its package is installed) with `auto`'s verdict;
+`--settings` weighs the encoder's settings (4:4:4 chroma, default Huffman tables) against the codec's;
 `--project` the store, the DVC remote and a node's pull time for 1.28M and 10M photos at the largest
 size. Writes bench_out/store_encoding.json.
 
@@ -275,6 +276,36 @@ def duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:,.0f} min"
 
 
+def settings_table(photos: list[Image.Image], args: argparse.Namespace) -> list[dict]:
+    """The encoder's settings weighed: the codec's (4:2:0 chroma, optimised Huffman tables) against
+    default tables and against full-resolution chroma (4:4:4): bytes, PSNR and decode img/s per core."""
+    variants = {"codec (4:2:0, optimised)": None, "4:2:0, default tables": ("4:2:0", False),
+                "4:4:4, optimised": ("4:4:4", True)}
+    rows = []
+    for size in args.sizes:
+        images = photo_set(photos, size, 3)
+        for name, setting in variants.items():
+            if setting is None:
+                records = [codec.encode(im, args.quality) for im in images]
+            else:
+                records = []
+                for im in images:
+                    out = io.BytesIO()
+                    Image.fromarray(im).save(out, "JPEG", quality=args.quality, subsampling=setting[0],
+                                             optimize=setting[1])
+                    records.append(out.getvalue())
+            buffer, offsets = codec.pack(records)
+            decoded = codec.decode_batch(buffer, offsets, images.shape[1:])
+            img_s = statistics.median(rates({"d": lambda: len(codec.decode_batch(buffer, offsets, images.shape[1:],
+                                                                                   decoded))}, args.rounds)["d"])
+            row = {"size": size, "setting": name, "jpeg_bytes": float(np.mean([len(r) for r in records])),
+                   "psnr_median": statistics.median(psnr(a, b) for a, b in zip(images, decoded)), "img_s": img_s}
+            rows.append(row)
+            print(f"{size:>4} px {name:>26}: {row['jpeg_bytes']:>8,.0f} B, PSNR {row['psnr_median']:.1f} dB, "
+                  f"{img_s:>7,.0f} img/s per core", flush=True)
+    return rows
+
+
 def projection(rows: list[dict]) -> list[dict]:
     """Store, DVC remote and a node's pull time for CATALOGS photos at the largest measured size."""
     r = max(rows, key=lambda r: r["size"])
@@ -302,6 +333,7 @@ def main() -> int:
     parser.add_argument("--crossover", action="store_true", help="also the table behind auto (codec.MEASURED)")
     parser.add_argument("--crossover-sizes", type=int, nargs="+",
                         default=[16, 24, 32, 48, 64, 96, 128, 160, 224, 320, 448])
+    parser.add_argument("--settings", action="store_true", help="also the encoder's settings weighed (4:4:4, tables)")
     parser.add_argument("--project", action="store_true", help="also the store and pull time for 1.28M and 10M photos")
     parser.add_argument("--device", default=None, help="also time codec.decode_batch_on there (cuda: nvJPEG, "
                         "whole-device img/s, not per core)")
@@ -319,6 +351,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="store_encoding_") as scratch:
         if not args.skip_table:
             result["table"] = encoding_table(photos, args, Path(scratch))
+        if args.settings:
+            result["settings"] = settings_table(photos, args)
         if args.crossover:
             result["crossover"] = crossover_table(photos, args)
         if args.project and result.get("table"):
