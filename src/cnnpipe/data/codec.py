@@ -5,7 +5,7 @@ A store keeps each image either raw (its uint8 pixels) or as JPEG bytes; `auto` 
 
 Encoding (`encode`): Pillow's libjpeg-turbo, baseline (not progressive: nvJPEG's GPU decode and the
 fastest CPU paths want baseline), Huffman tables optimised per image (4-15% fewer bytes at 224-64 px,
-paid once at prepare), chroma 4:2:0 for colour, as nearly every camera and catalog JPEG already has
+paid once at prepare), chroma 4:2:0 for colour, as most camera and catalog JPEGs already have
 it (4:4:4 measured 26-29% larger and 1.4-1.7x slower to decode, for 2.8-3.5 dB; `bench/store_encoding.py
 --settings`), one channel for grayscale. The same pixels and quality always give the same bytes.
 
