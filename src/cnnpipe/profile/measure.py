@@ -32,7 +32,7 @@ from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
 from cnnpipe.train.distributed import DistInfo, unwrap
 from cnnpipe.train.engine import Spans, StepContext, forward_times, micro_step, no_region, sync_device
-from cnnpipe.train.trainer import build_training, step_context
+from cnnpipe.train.parts import build_training, step_context
 from cnnpipe.train.tuning import resolve_auto
 
 INFERENCE_BATCH = 256  # evaluation's batch
