@@ -19,8 +19,6 @@ def main() -> int:
     try:
         base, opt = load_variant(metrics, "baseline"), load_variant(metrics, "optimized")
         result = compare(base, opt)
-        write_plot_data({"baseline": base["train"]["history"], "optimized": opt["train"]["history"]}, metrics,
-                        Path(args.plots) if args.plots else metrics / "plots")
     except (FileNotFoundError, ValueError) as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
@@ -31,6 +29,12 @@ def main() -> int:
     markdown = to_markdown(result)
     (metrics / "compare.md").write_text(markdown)
     print(markdown)
+    try:  # after the comparison, which stands without them
+        write_plot_data({"baseline": base["train"]["history"], "optimized": opt["train"]["history"]}, metrics,
+                        Path(args.plots) if args.plots else metrics / "plots")
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"compare: the charts' data: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
