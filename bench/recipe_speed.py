@@ -29,7 +29,7 @@ from cnnpipe.hardware import cpu_report
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.measure import Setup, build_setup, train_step
 from cnnpipe.train.distributed import init_distributed
-from cnnpipe.train.trainer import set_threads
+from cnnpipe.train.parts import set_threads
 from cnnpipe.train.tuning import read_tuned, resolve_auto
 
 

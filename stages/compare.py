@@ -1,4 +1,5 @@
-"""compare stage: metrics/compare.json and metrics/compare.md (baseline vs optimized)."""
+"""compare stage: metrics/compare.json and metrics/compare.md (baseline vs optimized), and the data of
+the charts `dvc plots show` draws side by side (metrics/plots/)."""
 
 import argparse
 import json
@@ -6,11 +7,13 @@ import sys
 from pathlib import Path
 
 from cnnpipe.evaluate.compare import compare, load_variant, plan_vs_actual, to_markdown
+from cnnpipe.evaluate.plots import write_plot_data
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--metrics", default="metrics")
+    parser.add_argument("--plots", help="where the charts' data goes (default: <metrics>/plots)")
     args = parser.parse_args()
     metrics = Path(args.metrics)
     try:
@@ -26,6 +29,12 @@ def main() -> int:
     markdown = to_markdown(result)
     (metrics / "compare.md").write_text(markdown)
     print(markdown)
+    try:  # after the comparison, which stands without them
+        write_plot_data({"baseline": base["train"]["history"], "optimized": opt["train"]["history"]}, metrics,
+                        Path(args.plots) if args.plots else metrics / "plots")
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"compare: the charts' data: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -13,7 +13,7 @@ from cnnpipe.monitor import process_seconds
 from cnnpipe.params import ParamsError, load_params, resolve, run_config
 from cnnpipe.profile.run import profile_variant, save_profile, summary
 from cnnpipe.train.distributed import init_distributed
-from cnnpipe.train.trainer import set_threads
+from cnnpipe.train.parts import set_threads
 
 
 def main() -> int:

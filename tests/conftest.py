@@ -101,8 +101,8 @@ def base_params() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
-PROJECT_FILES = ("dvc.yaml", "stages", "src", ".dvc/config", ".dvcignore", "pyproject.toml", "data/raw/README.md",
-                 "weights/README.md", ".gitignore")
+PROJECT_FILES = ("dvc.yaml", "stages", "src", ".dvc/config", ".dvc/plots", ".dvcignore", "pyproject.toml",
+                 "data/raw/README.md", "weights/README.md", ".gitignore")
 """What a user's checkout of the project holds, for the tests that run real `dvc` in a copy of it."""
 
 

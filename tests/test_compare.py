@@ -103,7 +103,11 @@ def _write_variant(root: Path, name: str, top1_right: list[bool], throughputs: l
     (out / "train.json").write_text(json.dumps({
         "epoch_time_s": 100 / statistics_median(throughputs), "train_time_s": 10.0,
         "throughput_img_s": statistics_median(throughputs), "data_wait_frac": 0.1, "peak_mem_mb": 100.0,
-        "history": [{"throughput_img_s": t} for t in throughputs]}))
+        "history": [{"epoch": e + 1, "throughput_img_s": t, "train_loss": 1.0, "val_top1": 0.5}
+                    for e, t in enumerate(throughputs)]}))
+    bins = "bin_low,bin_high,count,confidence,accuracy\n0.0,0.5,4,0.4,0.5\n0.5,1.0,20,0.8,0.7\n"
+    (out / "calibration.csv").write_text(bins)
+    (out / "calibration_raw.csv").write_text(bins)
     rows = "".join(f"{a},{p}\n" for a, p in zip(preds["actual"], preds["predicted"]))
     (out / "predictions.csv").write_text("actual,predicted\n" + rows)
 
@@ -125,6 +129,22 @@ def test_a_tiny_test_set_gets_a_warning_and_no_better_claim(tmp_path):
     assert "within run-to-run spread" in md
     result = json.loads((tmp_path / "compare.json").read_text())
     assert result["significance"]["p_value"] == pytest.approx(mcnemar_exact(0, 3))
+
+
+def test_the_comparison_stands_when_the_charts_data_cannot_be_written(tmp_path):
+    """compare.json and compare.md come first; a missing calibration file then fails the stage naming it."""
+    for name, right in (("baseline", 14), ("optimized", 17)):
+        _write_variant(tmp_path, name, [i < right for i in range(24)], [80.0, 82.0], [])
+    proc = subprocess.run([sys.executable, str(ROOT / "stages" / "compare.py"), "--metrics", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and json.loads((tmp_path / "plots" / "val_top1.json").read_text())[1] == {
+        "epoch": 2, "baseline": 0.5, "optimized": 0.5}
+    (tmp_path / "optimized" / "calibration_raw.csv").unlink()
+    (tmp_path / "compare.json").unlink()
+    proc = subprocess.run([sys.executable, str(ROOT / "stages" / "compare.py"), "--metrics", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "optimized/calibration_raw.csv not found" in proc.stderr
+    assert (tmp_path / "compare.json").exists()
 
 
 def _exact_mcnemar(b: int, c: int) -> float:

@@ -91,7 +91,7 @@ import torch
 from cnnpipe.data.store import open_split
 from cnnpipe.params import load_params, resolve
 from cnnpipe.train.distributed import cleanup, init_distributed
-from cnnpipe.train.trainer import build_training, step_context
+from cnnpipe.train.parts import build_training, step_context
 from cnnpipe.train.tuning import resolve_auto
 
 params, prepared, out = sys.argv[1:]

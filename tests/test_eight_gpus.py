@@ -13,7 +13,7 @@ from cnnpipe.data import loaders
 from cnnpipe.data.store import open_split
 from cnnpipe.params import resolve
 from cnnpipe.plan.plan import Recipe
-from cnnpipe.train import launch, trainer
+from cnnpipe.train import launch, parts
 from cnnpipe.train.budget import fit_batch_to_steps
 from cnnpipe.train.distributed import DistInfo, local_world_size
 from cnnpipe.train.launch import torchrun_command
@@ -52,9 +52,9 @@ def test_the_optimizer_is_fused_on_cuda_and_foreach_elsewhere(optimizer):
     cfg = config(optimizer=optimizer)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     # The flags are what is checked: the model stays on the CPU (torch builds a fused optimizer there too).
-    on_cuda = trainer.build_optimizer(model, cfg, 0.1, torch.device("cuda", 0))
+    on_cuda = parts.build_optimizer(model, cfg, 0.1, torch.device("cuda", 0))
     assert on_cuda.defaults["fused"] is True and not on_cuda.defaults["foreach"]
-    on_cpu = trainer.build_optimizer(model, cfg, 0.1, torch.device("cpu"))
+    on_cpu = parts.build_optimizer(model, cfg, 0.1, torch.device("cpu"))
     assert on_cpu.defaults["foreach"] is True and not on_cpu.defaults["fused"]
     assert type(on_cpu) is (torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD)
     assert [g["weight_decay"] for g in on_cpu.param_groups] == [0.0, cfg.train.weight_decay]  # timm's groups
@@ -89,10 +89,10 @@ def test_the_trainer_sizes_dev_shm_for_torchruns_local_ranks(monkeypatch, tmp_pa
     one_rank = 2 * 2 * 2 * cfg.train.batch_size * split.channels * split.images.shape[1] ** 2
     fake_shm(monkeypatch, tmp_path, free_mb=-(-2 * one_rank // 2**20))  # two ranks' worth, rounded up
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    trainer.build_training(cfg, DistInfo(), split)
+    parts.build_training(cfg, DistInfo(), split)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(ValueError, match="x 8 ranks on this node"):
-        trainer.build_training(cfg, DistInfo(), split)
+        parts.build_training(cfg, DistInfo(), split)
 
 
 def test_torchrun_command_has_no_empty_arguments():

@@ -138,6 +138,23 @@ def test_evaluation_reads_once_at_the_end_and_matches_the_logits():
     assert result["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-6)
 
 
+def test_one_batch_generator_serves_evaluation_and_predict():
+    """`eval_logits`, which both walk: float32 logits left on the device, the model in eval mode without
+    autograd at the recipe's precision, and not one read to the host."""
+    model = tiny_net().train()
+    with HostSyncCounter() as syncs:
+        out = list(engine.eval_logits(model, eval_batches(), eval_transform, CPU, "bf16"))
+    assert syncs.counts() == NONE, syncs.report()
+    assert not model.training and len(out) == 5
+    assert all(logits.dtype == torch.float32 and not logits.requires_grad and logits.shape == (8, 10)
+               for logits, _ in out)
+    assert all(torch.equal(got, given) for (_, got), (_, given) in zip(out, eval_batches()))  # as the loader gave them
+    logits, labels = engine.predict(model, eval_batches(), eval_transform, CPU, "bf16")
+    assert torch.equal(logits, torch.cat([batch for batch, _ in out]))
+    top1 = engine.evaluate_top1(model, eval_batches(), eval_transform, DistInfo(device=CPU), "bf16")["top1"]
+    assert top1 == engine.topk_correct(logits, labels, 1) / 40
+
+
 def test_the_crop_draws_once_per_batch_with_the_documented_distributions():
     ops, transform, images = _OpLog(), train_transform(), batches(1)[0][0]
     with ops:

@@ -18,7 +18,7 @@ from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.clock import OUT_OF_TIME, TrialClock
 from cnnpipe.profile.decision import confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, diagnose
-from cnnpipe.profile.measure import build_setup, fractions, timed_steps, trace_window
+from cnnpipe.profile.measure import build_setup, count_inside, fractions, timed_steps, trace_window
 from cnnpipe.profile.report import to_markdown, write_report
 from cnnpipe.profile.run import profile_variant, summary
 from cnnpipe.profile.box import TraceSteps
@@ -143,6 +143,21 @@ def test_the_trace_reads_its_steps_from_their_own_spans_not_the_window_wall(tmp_
     assert slow["host_syncs_per_step"] == quick["host_syncs_per_step"]
     assert 0 < slow["trace_step_s"] < 0.3 and 0 < quick["trace_step_s"] < 0.3  # a tiny model's step: ms
     assert slow["gpu_busy_frac"] is None and slow["gpu_busy_basis"] is None  # (no kernels on the CPU)
+
+
+def test_sync_events_are_matched_to_step_spans_by_bisection_as_by_brute_force():
+    """`count_inside`, what the trace counts host syncs with: the same count as checking every event
+    against every span, on spans that touch, overlap, nest or come unsorted, and events on their ends."""
+    import random
+
+    assert count_inside([], []) == 0 and count_inside([1.0], []) == 0
+    assert count_inside([0.0, 1.0, 1.5, 2.0, 2.5, 3.0, 3.1], [(2.0, 3.0), (1.0, 2.0)]) == 5  # ends count
+    rng = random.Random(0)
+    for _ in range(200):
+        spans = [(a, a + rng.uniform(0, 20)) for a in (rng.uniform(0, 100) for _ in range(rng.randint(0, 12)))]
+        times = [rng.choice([rng.uniform(-5, 125), *(x for span in spans for x in span)] if spans else [1.0])
+                 for _ in range(50)]
+        assert count_inside(times, spans) == sum(any(a <= t <= b for a, b in spans) for t in times)
 
 
 def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepared):

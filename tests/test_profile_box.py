@@ -1,14 +1,18 @@
 """The profile's time box holds at any step time: every part sized by a measured step, nothing by counts."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
 import cnnpipe.profile.measure as measure
+import cnnpipe.profile.run as run
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.box import (
     BASE_SHARE,
     MIN_MEASURE_BATCH,
+    TRACE_SHARE,
+    BoxPlan,
     TimeBox,
     full_trial_s,
     inference_plan,
@@ -19,6 +23,7 @@ from cnnpipe.profile.box import (
     trial_batch,
 )
 from cnnpipe.profile.run import profile_variant, summary
+from cnnpipe.profile.trials import Trial, TrialContext
 from cnnpipe.train.distributed import DistInfo
 from conftest import tiny_params, write_params
 
@@ -120,3 +125,92 @@ def test_the_trace_and_inference_shrink_with_their_share(tmp_path):
     assert inference_plan(0.001, None) == inference_plan(0.0001, 100.0)
     small = inference_plan(0.03, 2.0)
     assert small.batch < 256 and small.calls >= 1
+
+
+def test_the_plan_sizes_each_part_from_what_the_box_has_left_when_it_is_reached(tmp_path):
+    """`BoxPlan` on a fake clock: 10 ms an image, a 100 s box, 1 s to build a setup."""
+    p = config(tmp_path).profile  # the shipped counts: 4 traced steps, 3 rounds of 2 steps
+    now = [40.0]
+    box = TimeBox(100.0, now=lambda: now[0])
+    plan = BoxPlan.after_probe(box, p, 256, 1, probe_s=0.01, setup_s=1.0)
+    # 60 s left: three 2.56 s steps fit the base's 9 s share at the recipe's batch
+    assert (plan.left, plan.batch, plan.too_small) == (60.0, 256, False)
+    assert plan.share(TRACE_SHARE) == pytest.approx(7.2) and plan.trace(2.56).total == 2
+    assert plan.base_steps() == 2  # 9 s less the warm-up step's 2.56 s: two steps, not the counts' six
+    now[0] += 3.0  # (a rebuild's 3 s come off the base's share: still the two it never goes under)
+    assert plan.base_steps() == 2
+    # 8% of 60 s: three timed calls at 256 (and the three untimed and repeated) take 5.1 s; two fit
+    assert (plan.inference(0.01, 256).batch, plan.inference(0.01, 256).calls) == (256, 2)
+    now[0] = 60.0  # the base, the trace and the inference timing took 20 s: 40 s left
+    trials = plan.trials(step_s=2.56, per_image_s=0.01, batches=[128, 64], training_s=1000.0, inference_batch=256)
+    # The smaller batches' 15 s hold no round (11.5 s against 128 and 9.6 s against 64, after a 1 s
+    # build): predicted, nothing reserved. The window: 40 s less the last inference timing's 1.7 s
+    # and the 6 s margin. One full trial at 256 takes 47 s: the trials run at 128 (24 s).
+    assert trials.rounds_for == {128: 0, 64: 0}
+    assert trials.clock.window_s == pytest.approx(40.0 - 2 * 256 * 0.01 / 3 - 6.0)
+    assert trials.batch == 128 and trials.clock.trial_s == pytest.approx(1.0 + 3 * 3 * 2 * 1.28)
+    assert trials.block == 2 and plan.needed_s(100.0) is None
+    # Without a box: the recipe's batch and the `profile:` counts, no window.
+    free = BoxPlan.after_probe(TimeBox(None), p, 256, 1, probe_s=0.01, setup_s=1.0)
+    assert (free.batch, free.base_steps(), free.trace(2.56).total) == (256, 6, 7)
+    assert free.trials(2.56, 0.01, [128], 1000.0, 256).clock.window_s is None
+
+
+def test_a_box_too_small_at_any_batch_says_the_box_it_would_need(tmp_path):
+    p = config(tmp_path).profile
+    plan = BoxPlan.after_probe(TimeBox(100.0, now=lambda: 99.0), p, 256, 1, probe_s=0.01, setup_s=1.0)
+    # 1 s left: three steps at the floor of 16 (0.48 s) exceed the base's 0.15 s share
+    assert plan.batch == MIN_MEASURE_BATCH and plan.too_small
+    assert plan.needed_s(100.0) == pytest.approx(99.0 + 3 * 0.01 * 16 / BASE_SHARE)
+    assert plan.needed_s(None) is None
+
+
+def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_path, monkeypatch):
+    """profile_variant's wiring, every measurement faked on a fake clock (12 ms an image, a 60 s box):
+    the base is measured at 128, the trials at 64 against a base built there (`ctx.at`), and the
+    smaller batches against the measured base at 128."""
+    cfg = config(tmp_path, batch_size=256, min_steps=100_000, channels_last="auto")
+    now, seen = [0.0], {}
+
+    def fake_setup(c, info, prepared):
+        now[0] += 1.0
+        return SimpleNamespace(cfg=c, ctx=SimpleNamespace(amp=c.train.amp), images_per_step=c.train.batch_size,
+                               steps_per_epoch=600 // c.train.batch_size)
+
+    def timed(s, warmup, steps):
+        now[0] += (warmup + steps) * 0.012 * s.images_per_step
+        return [0.012 * s.images_per_step] * steps, {"forward": 1.0}, 1.0
+
+    def trials(ctx, recommended, grow_batch):
+        seen["trials"] = (ctx.cfg.train.batch_size, ctx.base.cfg.train.batch_size, grow_batch)
+        return [Trial("channels_last", {"channels_last": False}, 1.0)]
+
+    def smaller(ctx, batches, tuned, gain, rounds_for):
+        seen["smaller"] = (ctx.cfg.train.batch_size, ctx.base.cfg.train.batch_size, batches, ctx.clock)
+        return []
+
+    fakes = {"build_setup": fake_setup, "probe_per_image": lambda s, images: 0.012, "timed_steps": timed,
+             "trace_window": lambda *a: {"host_syncs_per_step": 0.0, "gpu_busy_frac": None, "tensor_core_frac": None},
+             "inference_times": lambda s, batch, calls: [0.004 * batch] * calls,
+             "cpu_fp32_inference": lambda s, share: (100.0, 64), "process_seconds": lambda: 0.0,
+             "run_trials": trials, "smaller_batch_trials": smaller,
+             "confirm_winners": lambda ctx, results, tuned: (tuned, None), "recommended_together": lambda *a: None}
+    for name, fake in fakes.items():
+        monkeypatch.setattr(run, name, fake)
+    monkeypatch.setattr(run, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    result = profile_variant(cfg, DistInfo(), tmp_path, tmp_path / "logs", True, 60.0,
+                             box=TimeBox(60.0, now=lambda: now[0]))
+    assert result["batch_size"] == 128 and result["trial_batch"] == 64
+    assert seen["trials"] == (64, 64, False)  # a smaller measured batch is not grown
+    assert seen["smaller"][:3] == (128, 128, [128, 64])
+    assert result["trial_window_s"] == seen["smaller"][3].window_s  # one clock for both
+
+
+def test_a_trial_context_at_another_base_keeps_everything_else():
+    clock = object()
+    ctx = TrialContext(cfg="cfg@64", requested="asked", info="info", prepared_dir="data", base=None, clock=clock)
+    base = SimpleNamespace(cfg="cfg@128")
+    at = ctx.at(base)
+    assert (at.cfg, at.base, at.requested, at.info, at.prepared_dir, at.clock) == (
+        "cfg@128", base, "asked", "info", "data", clock)
+    assert ctx.cfg == "cfg@64" and ctx.base is None  # a new context: the trials' own is unchanged

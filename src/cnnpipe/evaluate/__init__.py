@@ -1,2 +1,2 @@
 """Evaluate and compare: test-set predictions and their metrics, confidence intervals and paired tests,
-the mistakes gallery, and the baseline-vs-optimized table."""
+the mistakes gallery, the baseline-vs-optimized table and the data of its charts (`dvc plots show`)."""

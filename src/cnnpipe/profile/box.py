@@ -19,6 +19,8 @@ size, batch or device:
   one full trial fits at the measured one, so that slow steps still get their `auto` knobs measured,
   the diagnosis's picks first.
 
+`BoxPlan` holds that state for one profile: built once after the probe, it sizes each part as the
+stage reaches it (reading the box's clock where what is left depends on what came before).
 Without a box (no budget) the counts in `profile:` apply unchanged.
 """
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cnnpipe.config import ProfileConfig
-from cnnpipe.profile.clock import block_steps
+from cnnpipe.profile.clock import TrialClock, block_steps, trial_window
 
 BASE_SHARE = 0.15
 TRACE_SHARE = 0.12
@@ -203,3 +205,93 @@ def smaller_rounds(batches: list[int], measured_batch: int, share_s: float | Non
         cost += setup_s + plan[b] * one if plan[b] else 0.0
     return plan, cost
 
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """How the trials run: their batch, the measured batch's block length, each smaller batch's
+    rounds, and the clock that times them (its block and expected trial length at `batch`)."""
+
+    batch: int
+    block: int
+    rounds_for: dict[int, int]
+    clock: TrialClock
+
+
+@dataclass(frozen=True)
+class BoxPlan:
+    """The profile's box, split part by part from the probe (`BoxPlan.after_probe`): the batch the
+    base is measured at, then the base's steps, the trace, the inference timing and the trials,
+    each a share of `left`, what the box had left when the probe ended (None: no box)."""
+
+    box: TimeBox
+    profile: ProfileConfig
+    recipe_batch: int
+    accum_steps: int
+    probe_s: float
+    """The probe's seconds per image of the recipe's batch (times `accum_steps`: per optimizer step)."""
+    setup_s: float
+    """What building a setup took (model, optimizer, loader): each trial pays it again."""
+    left: float | None
+    batch: int
+    """The batch the base is measured at (`measure_batch`)."""
+
+    @classmethod
+    def after_probe(cls, box: TimeBox, profile: ProfileConfig, recipe_batch: int, accum_steps: int,
+                    probe_s: float, setup_s: float) -> BoxPlan:
+        """The plan once the probe has measured `probe_s`: the base's batch, from what the box has left now."""
+        left = box.left()
+        return cls(box, profile, recipe_batch, accum_steps, probe_s, setup_s, left,
+                   measure_batch(probe_s, recipe_batch, left))
+
+    def share(self, fraction: float) -> float | None:
+        """`fraction` of what the box had left after the probe (None: no box)."""
+        return None if self.left is None else max(0.0, fraction * self.left)
+
+    @property
+    def too_small(self) -> bool:
+        """Even at the batch chosen, `BASE_STEPS` steps do not fit the base's share."""
+        return self.left is not None and BASE_STEPS * self.probe_s * self.batch > BASE_SHARE * self.left
+
+    def base_steps(self) -> int:
+        """Timed steps of the base: the `profile:` counts' largest, or as many as fit the base's share
+        less what a rebuild at a smaller batch took (read off the box now) and the base's warm-up step."""
+        p = self.profile
+        step_s = self.probe_s * self.batch
+        share = None if self.left is None else self.share(BASE_SHARE) - (self.left - self.box.left()) - step_s
+        return steps_within(share, step_s, max(p.active, p.trial_steps * p.trial_rounds), 2)
+
+    def trace(self, step_s: float) -> TraceSteps:
+        """The trace window for the base's measured `step_s`."""
+        return trace_steps(self.profile, step_s, self.share(TRACE_SHARE))
+
+    def inference(self, per_image_s: float, batch: int) -> Inference:
+        """The inference timing from `batch`, sized by the base's `per_image_s`."""
+        return inference_plan(per_image_s, self.share(TAIL_SHARE), batch)
+
+    def trials(self, step_s: float, per_image_s: float, batches: list[int], training_s: float,
+               inference_batch: int) -> TrialPlan:
+        """The trials' plan, made when they are next: the smaller batches' rounds are reserved first,
+        then the last inference timing and `MARGIN`, from what the box has left now; the window is at
+        most a fifth of `training_s`. Where not one full trial fits at the measured batch, they run at
+        a halved one (`trial_batch`), with the clock's block and trial length set for it."""
+        p = self.profile
+        step_per_image_s = per_image_s * self.accum_steps
+        block = block_steps(step_s, p.trial_steps)
+        rounds_for, smaller_s = smaller_rounds(batches, self.batch, self.share(SMALLER_SHARE), block,
+                                               step_per_image_s, self.setup_s, p.trial_rounds)
+        end_s = 2 * inference_batch * per_image_s * FORWARD_SHARE  # the inference timing repeated at the end
+        box_left = None if self.left is None else self.box.left() - smaller_s - end_s - MARGIN * self.left
+        clock = TrialClock(trial_window(box_left, training_s), block,
+                           self.setup_s + 2 * p.trial_rounds * (block + 1) * step_s)  # a full trial at the base's speed
+        tried = trial_batch(step_per_image_s, self.batch, clock.window_s, self.setup_s, p.trial_rounds, p.trial_steps)
+        if tried != self.batch:
+            clock.block = block_steps(per_image_s * tried, p.trial_steps)
+            clock.trial_s = full_trial_s(step_per_image_s, tried, self.setup_s, p.trial_rounds, p.trial_steps)
+        return TrialPlan(tried, block, rounds_for, clock)
+
+    def needed_s(self, box_s: float | None) -> float | None:
+        """The box (of `box_s`) a base at the smallest measured batch would need, when this one is too small."""
+        if not self.too_small or box_s is None or self.left is None or not box_s - self.left:
+            return None
+        return needed_box_s(self.probe_s, min(self.recipe_batch, MIN_MEASURE_BATCH), box_s - self.left)

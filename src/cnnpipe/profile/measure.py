@@ -10,6 +10,7 @@ for TensorBoard/Perfetto (and to count host syncs). Every step here is the engin
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import os
@@ -32,7 +33,7 @@ from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
 from cnnpipe.train.distributed import DistInfo, unwrap
 from cnnpipe.train.engine import Spans, StepContext, forward_times, micro_step, no_region, sync_device
-from cnnpipe.train.trainer import build_training, step_context
+from cnnpipe.train.parts import build_training, step_context
 from cnnpipe.train.tuning import resolve_auto
 
 INFERENCE_BATCH = 256  # evaluation's batch
@@ -234,7 +235,7 @@ def trace_window(s: Setup, trace_dir: Path, worker: str, steps: TraceSteps, step
     kernels = [(e.key, e.self_device_time_total) for e in prof.key_averages()
                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     sync_events = SYNC_EVENTS["cuda" if s.device.type == "cuda" else "cpu"]
-    syncs = sum(1 for e in events if e.name in sync_events and _inside(e.time_range.start, spans))
+    syncs = count_inside([e.time_range.start for e in events if e.name in sync_events], spans)
     cuda = s.device.type == "cuda"
     return {"host_syncs_per_step": syncs / recorded,
             "trace_step_s": statistics.median(b - a for a, b in spans) / 1e6 if spans else None,
@@ -243,8 +244,22 @@ def trace_window(s: Setup, trace_dir: Path, worker: str, steps: TraceSteps, step
             "tensor_core_frac": tensor_core_share(kernels) if cuda else None}
 
 
-def _inside(t: float, spans: list[tuple[float, float]]) -> bool:
-    return any(a <= t <= b for a, b in spans)
+def count_inside(times: list[float], spans: list[tuple[float, float]]) -> int:
+    """How many of `times` fall inside any of `spans` (ends included): each time looked up by bisection
+    in the spans' sorted union, so a long trace's thousands of events cost no more than a sort."""
+    starts: list[float] = []
+    ends: list[float] = []
+    for a, b in sorted(spans):
+        if starts and a <= ends[-1]:  # overlapping or touching: one interval
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    hits = 0
+    for t in times:
+        i = bisect.bisect_right(starts, t) - 1
+        hits += i >= 0 and t <= ends[i]
+    return hits
 
 
 def fractions(totals: dict[str, float]) -> dict[str, float]:

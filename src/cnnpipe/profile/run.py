@@ -18,27 +18,7 @@ import yaml
 from cnnpipe.config import VariantConfig
 from cnnpipe.files import write_json, write_text
 from cnnpipe.monitor import peak_mem_mb, process_seconds, reset_peak_memory
-from cnnpipe.profile.box import (
-    BASE_SHARE,
-    BASE_STEPS,
-    FORWARD_SHARE,
-    MARGIN,
-    MIN_MEASURE_BATCH,
-    PROBE_IMAGES,
-    SMALLER_SHARE,
-    TAIL_SHARE,
-    TRACE_SHARE,
-    TimeBox,
-    full_trial_s,
-    inference_plan,
-    measure_batch,
-    needed_box_s,
-    smaller_rounds,
-    steps_within,
-    trace_steps,
-    trial_batch,
-)
-from cnnpipe.profile.clock import TrialClock, block_steps, trial_window
+from cnnpipe.profile.box import PROBE_IMAGES, TAIL_SHARE, BoxPlan, TimeBox
 from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose
 from cnnpipe.profile.format import all_trials
@@ -88,7 +68,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     slow for the box), the trace, the smaller batches' speeds, the inference timing and the trials.
     """
     cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
-    p, t = cfg.profile, cfg.train
+    t = cfg.train
     box = box or TimeBox.from_process_start(time_box_s, process_seconds())
     reset_peak_memory(info.device)
     t0 = time.perf_counter()
@@ -96,45 +76,29 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     setup_s = time.perf_counter() - t0
     startup_s = process_seconds()  # imports, data and model: what each later stage pays before its first step
     probe_s = probe_per_image(setup, PROBE_IMAGES) * t.accum_steps  # per image of train.batch_size (x accum)
-    left = box.left()
-    share = (lambda f: None) if left is None else (lambda f: max(0.0, f * left))
-    batch = measure_batch(probe_s, t.batch_size, left)
-    too_small = left is not None and BASE_STEPS * probe_s * batch > BASE_SHARE * left
-    measured = cfg if batch == t.batch_size else cfg.with_train(batch_size=batch)
+    plan = BoxPlan.after_probe(box, cfg.profile, t.batch_size, t.accum_steps, probe_s, setup_s)
+    batch = plan.batch
+    measured = cfg.with_train(batch_size=batch)
     if batch == t.batch_size:
         base = setup
     else:
         del setup  # (its model and optimizer state: the base builds its own)
         base = build_setup(measured, info, prepared_dir)
-    wanted = max(p.active, p.trial_steps * p.trial_rounds)
-    # the base's share, less what a rebuild at a smaller batch took and its own warm-up step
-    base_share = None if left is None else share(BASE_SHARE) - (left - box.left()) - probe_s * batch
-    times, totals, cpu_util = timed_steps(base, warmup=1, steps=steps_within(base_share, probe_s * batch, wanted, 2))
+    times, totals, cpu_util = timed_steps(base, warmup=1, steps=plan.base_steps())
     step_s = statistics.median(times)
     per_image_s = step_s / base.images_per_step
-    trace = trace_steps(p, step_s, share(TRACE_SHARE))
+    trace = plan.trace(step_s)
     traced = trace_window(base, trace_dir, f"{cfg.variant}_rank{info.rank}", trace, step_s)
     peak_mb, mem_frac = peak_mem_mb(info.device), memory_frac(info.device)  # the recipe's own, before any trial
-    inference = inference_plan(per_image_s, share(TAIL_SHARE), INFERENCE_BATCH)
+    inference = plan.inference(per_image_s, INFERENCE_BATCH)
     inference_s = inference_times(base, inference.batch, inference.calls)
-    export_img_s, export_batch = cpu_fp32_inference(base, share(TAIL_SHARE))
+    export_img_s, export_batch = cpu_fp32_inference(base, plan.share(TAIL_SHARE))
     training_s = t.epochs * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
-    block = block_steps(step_s, p.trial_steps)
     batches = smaller_batches(cfg) if with_trials else []
-    rounds_for, smaller_s = smaller_rounds(batches, batch, share(SMALLER_SHARE), block,
-                                           per_image_s * t.accum_steps, setup_s, p.trial_rounds)
-    end_s = 2 * inference.batch * per_image_s * FORWARD_SHARE  # the inference timing repeated at the end
-    box_left = None if left is None else box.left() - smaller_s - end_s - MARGIN * left
-    clock = TrialClock(trial_window(box_left, training_s), block,
-                       setup_s + 2 * p.trial_rounds * (block + 1) * step_s)  # a full trial at the base's speed
-    # Where not one full trial fits at the measured batch, the trials run at a smaller one.
-    tried = trial_batch(per_image_s * t.accum_steps, batch, clock.window_s, setup_s, p.trial_rounds, p.trial_steps)
-    trial_cfg = measured if tried == batch else measured.with_train(batch_size=tried)
-    trial_base = base
-    if with_trials and tried != batch:
-        trial_base = build_setup(trial_cfg, info, prepared_dir)
-        clock.block = block_steps(per_image_s * tried, p.trial_steps)
-        clock.trial_s = full_trial_s(per_image_s * t.accum_steps, tried, setup_s, p.trial_rounds, p.trial_steps)
+    trials = plan.trials(step_s, per_image_s, batches, training_s, inference.batch)
+    ctx = TrialContext(measured, requested, info, prepared_dir, base, trials.clock)
+    if with_trials and trials.batch != batch:  # not one full trial fits at the measured batch: a smaller one
+        ctx = ctx.at(build_setup(measured.with_train(batch_size=trials.batch), info, prepared_dir))
     facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=batch,
                   utilization=cpu_util if info.device.type == "cpu" else traced["gpu_busy_frac"],
@@ -143,24 +107,22 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     results: list[Trial] = []
     tuned = {k: getattr(t, k) for k in auto_knobs(requested)}
     combined, smaller, gain = None, [], 1.0
-    ctx = TrialContext(trial_cfg, requested, info, prepared_dir, trial_base, clock)
-    at_base = TrialContext(measured, requested, info, prepared_dir, base, clock)  # the smaller batches' reference
     if with_trials:
         recommended = [r.knob for r in diagnose(facts)[1] if r.knob]  # bottleneck first
-        results = run_trials(ctx, recommended, grow_batch=tried == t.batch_size)
+        results = run_trials(ctx, recommended, grow_batch=trials.batch == t.batch_size)
         best = best_batch(results)
         facts = dataclasses.replace(facts, batch_gain=best.speedup if best else None,
                                     best_batch=best.change["batch_size"] if best else None)
-        tuned, combined = confirm_winners(ctx, results, tuned_settings(requested, trial_cfg, results))
-        gain = tuned_speedup(trial_cfg, tuned, results, combined)
-        smaller = smaller_batch_trials(at_base, batches, tuned, gain, rounds_for)
+        tuned, combined = confirm_winners(ctx, results, tuned_settings(requested, ctx.cfg, results))
+        gain = tuned_speedup(ctx.cfg, tuned, results, combined)
+        # the smaller batches are measured against the base, at its batch
+        smaller = smaller_batch_trials(ctx.at(base), batches, tuned, gain, trials.rounds_for)
     at_batch = {e["change"]["batch_size"]: e["at_batch"] for e in smaller if e["at_batch"]}
     label, recs = diagnose(facts)
-    if with_trials and combined is None and not clock.out_of_time():  # (`gain` cannot be this mix's)
+    if with_trials and combined is None and not trials.clock.out_of_time():  # (`gain` cannot be this mix's)
         combined = recommended_together(ctx, results, [r.knob for r in recs if r.knob and r.knob != "batch_size"])
     inference_s += inference_times(base, inference.batch, calls=1)
-    spent = None if left is None or time_box_s is None else time_box_s - left  # up to the probe's end
-    needed = needed_box_s(probe_s, min(t.batch_size, MIN_MEASURE_BATCH), spent) if too_small and spent else None
+    needed = plan.needed_s(time_box_s)
     return {
         "variant": cfg.variant,
         "device": info.device.type,
@@ -191,16 +153,16 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "recommendations": [_with_measurement(rec, results) for rec in recs],
         "trials": [r.to_dict() for r in results],
         "combined_trial": combined.to_dict() if combined else None,
-        "min_gain": p.min_gain,
-        "trial_rounds": p.trial_rounds,
+        "min_gain": cfg.profile.min_gain,
+        "trial_rounds": cfg.profile.trial_rounds,
         "time_box_s": time_box_s,
-        "box_left_after_probe_s": left,
+        "box_left_after_probe_s": plan.left,
         "box_too_small": needed is not None,
         "box_needed_s": needed,
         "training_estimate_s": training_s,
-        "trial_window_s": clock.window_s,
-        "trial_batch": tried,
-        "trial_block_steps": block,
+        "trial_window_s": trials.clock.window_s,
+        "trial_batch": trials.batch,
+        "trial_block_steps": trials.block,
         # `at_batch`: values that differ at a batch `train.min_steps` may pick (training applies them there).
         "tuned": {**tuned, "at_batch": at_batch} if at_batch else tuned,
         "tuned_speedup": gain,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -55,6 +56,10 @@ class TrialContext:
     prepared_dir: Path
     base: Setup
     clock: TrialClock
+
+    def at(self, base: Setup) -> TrialContext:
+        """The same trials measured against `base` instead, at its config (another batch)."""
+        return dataclasses.replace(self, cfg=base.cfg, base=base)
 
     def build(self, **change: Any) -> Setup:
         """A setup of the profiled config with `change` applied."""

@@ -175,7 +175,7 @@ def sync_buffers(model: torch.nn.Module, info: DistInfo) -> None:
     """Global rank 0's buffers (BatchNorm running statistics) on every rank.
 
     Each rank updates its running statistics from its own batches; DDP is built without its
-    broadcast of them before every forward (`trainer.step_context`), which training never reads
+    broadcast of them before every forward (`parts.step_context`), which training never reads
     (BatchNorm normalises training batches with their own statistics). Rank 0's statistics are the
     same either way: they only ever see rank 0's batches. Syncing once at the end of an epoch
     gives validation one set of statistics on every rank, and the checkpoint the ones training

@@ -275,6 +275,22 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def eval_logits(model: torch.nn.Module, loader: Iterable, transform: Callable, device: torch.device,
+                amp: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(float32 logits on the device, labels as the loader gives them) for each batch of `loader`:
+    the model in eval mode without autograd, each batch through `transform` at the recipe's precision.
+
+    What `predict` and `evaluate_top1` both walk. Nothing here reads the device: what a caller keeps
+    or sums of the logits decides when the host waits.
+    """
+    model.eval()
+    for images, labels in loader:
+        x = transform(images.to(device, non_blocking=True))
+        with torch.no_grad(), autocast(amp, device):
+            logits = model(x)
+        yield logits.float(), labels
+
+
 @torch.no_grad()
 def predict(model: torch.nn.Module, loader: Iterable, transform: Callable, device: torch.device,
             amp: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,13 +300,9 @@ def predict(model: torch.nn.Module, loader: Iterable, transform: Callable, devic
     would stall the host once per batch. They take N x classes x 4 bytes of device memory meanwhile
     (200 MB for 50,000 images of 1,000 classes).
     """
-    model.eval()
     all_logits, all_labels = [], []
-    for images, labels in loader:
-        x = transform(images.to(device, non_blocking=True))
-        with autocast(amp, device):
-            logits = model(x)
-        all_logits.append(logits.float())
+    for logits, labels in eval_logits(model, loader, transform, device, amp):
+        all_logits.append(logits)
         all_labels.append(labels)
     if not all_logits:
         return torch.zeros(0, 0), torch.zeros(0, dtype=torch.long)
@@ -305,15 +317,11 @@ def evaluate_top1(model: torch.nn.Module, loader: Iterable, transform: Callable,
     Counted on the device batch by batch and read once at the end: no host sync per batch, and no
     logits kept.
     """
-    model.eval()
     device = info.device
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # top-1 hits, top-5 hits, loss sum
     n = 0
-    for images, labels in loader:
-        x = transform(images.to(device, non_blocking=True))
+    for logits, labels in eval_logits(model, loader, transform, device, amp):
         labels = labels.to(device, non_blocking=True)
-        with autocast(amp, device):
-            logits = model(x).float()
         sums += torch.stack([topk_hits(logits, labels, 1).double(), topk_hits(logits, labels, 5).double(),
                              F.cross_entropy(logits, labels, reduction="sum").double()])
         n += len(labels)

@@ -5,17 +5,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.distributed import DistInfo, all_gather_objects, broadcast_object, unwrap
+from cnnpipe.train.parts import TrainingParts
 from cnnpipe.train.resume import Progress
-
-if TYPE_CHECKING:  # trainer imports this module: the type only, to avoid the cycle
-    from cnnpipe.train.trainer import TrainingParts
 
 BEST_KEYS = ("model", "ema", "meta", "init", "epoch", "fingerprint")
 """What best.pt holds: the weights and what loading them needs, no optimizer or RNG state."""

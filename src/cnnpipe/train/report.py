@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.hardware import cpu_report
 from cnnpipe.monitor import peak_mem_mb
 from cnnpipe.train.distributed import DistInfo, all_reduce_max, all_reduce_sum
+from cnnpipe.train.parts import TrainingParts
 from cnnpipe.train.precision import math_mode
-
-if TYPE_CHECKING:  # trainer imports this module: the type only, to avoid the cycle
-    from cnnpipe.train.trainer import TrainingParts
 
 LIVE_KEYS = {"train/loss": "train_loss", "val/top1": "val_top1", "val/loss": "val_loss", "lr": "lr",
              "epoch_time_s": "epoch_time_s", "throughput_img_s": "throughput_img_s",

@@ -6,16 +6,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.distributed import DistInfo, broadcast_object
-
-if TYPE_CHECKING:  # trainer imports this module: the type only, to avoid the cycle
-    from cnnpipe.train.trainer import TrainingParts
+from cnnpipe.train.parts import TrainingParts
 
 
 @dataclass
