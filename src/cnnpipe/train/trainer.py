@@ -35,6 +35,7 @@ from cnnpipe.train.report import Live, announce, batch_note, epoch_record, repor
 from cnnpipe.train.resume import resume
 from cnnpipe.train.schedule import LrSchedule
 from cnnpipe.train.temperature import calibrate_best
+from cnnpipe.train.recipe import input_recipe
 from cnnpipe.train.tuning import resolve_auto
 from cnnpipe.train.warm_start import from_champion
 
@@ -61,7 +62,7 @@ def build_model(cfg: VariantConfig, classes: list[str], channels: int, device: t
                 champion: Path | None = None):
     """Model on `device` in the configured memory format, with its init record: from the champion in
     `champion` (its best.pt) when `model.init: champion` and there is one, else `create_model`."""
-    model, init = (from_champion(cfg.model, classes, channels, champion) if cfg.model.init == "champion"
+    model, init = (from_champion(cfg, classes, channels, champion) if cfg.model.init == "champion"
                    else create_model(cfg.model, len(classes), channels))
     model.to(device)
     if cfg.train.channels_last:
@@ -240,8 +241,10 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     summary = run_summary(cfg, progress.history, parts.init, info, parts.amp, parts.global_batch,
                           parts.schedule.peak_lr, threads, progress.resumed_from, gpu_util,
                           time.perf_counter() - t_start)
+    recipe = input_recipe(cfg.data, train_split.channels, parts.mean, parts.std)  # what serving must apply
     summary.update(optimizer_steps=parts.schedule.total_steps, batch_note=note, val_images=len(val_split),
-                   calibration=calibrate_best(model_dir, val_split, info.device), stage_time_s=process_seconds())
+                   calibration=calibrate_best(model_dir, open_split(prepared_dir, "val"), info.device, recipe),
+                   stage_time_s=process_seconds())
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())
     return summary
