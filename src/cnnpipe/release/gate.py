@@ -10,15 +10,18 @@ challenger anything either: the comparison runs on the test images whose class t
 (through `release.renamed` when a class was renamed), with the challenger's answer taken among those
 classes only (its argmax restricted to them: `challenger_pred_known`). On those images:
 
-- **non-inferiority** of top-1: the one-sided lower bound of (challenger - champion) must be above
-  `-margin` (Newcombe's hybrid score interval with the continuity-adjusted correlation,
-  `stats.newcombe_interval`). When it is not, the upper bound says which: below 0, the challenger
-  is worse; otherwise the test set may be **too small to judge**: fewer images than the margin needs
-  at the observed discordance (`stats.images_needed`). That is its own verdict, with the number of
-  images needed; `rules.too_small` says whether the loop then refuses or blesses with a warning.
+- **non-inferiority** of top-1: the one-sided 95% lower bound of (challenger - champion) must be
+  above `-margin` (Newcombe's hybrid score interval with the continuity-adjusted correlation,
+  `stats.newcombe_interval`). When it is not: with at least the images the margin needs at the
+  observed discordance (`stats.images_needed`), refused; with fewer, refused only when the
+  challenger is worse beyond doubt (the 99% upper bound below 0), else **too small to judge**, its
+  own verdict, with the number of images needed; `rules.too_small` says whether the loop then
+  refuses or blesses with a warning.
 - **no class left behind**: per class with at least `min_support` images, a one-sided exact
-  McNemar test that the challenger lost recall, Holm-adjusted over the classes judged; a class fails
-  when the adjusted test is significant and it lost more than `max_class_drop` of recall.
+  McNemar test that the challenger lost recall, corrected for the number of classes by Holm's
+  step-down with Tarone's count (`stats.tarone_holm`: a class whose answers changed on too few
+  images to ever be significant does not dilute the others); a class fails when its test is
+  rejected and it lost more than `max_class_drop` of recall.
 - **drained into a new class**: the share of an old class's images the challenger (unrestricted)
   now calls one new class, per pair, at most `max_to_new_class`.
 
@@ -42,9 +45,19 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 from scipy.stats import binom, norm
 
-from cnnpipe.release.stats import holm, images_needed, mcnemar_p, newcombe_interval, paired_counts, wilson, worse_p
+from cnnpipe.release.stats import (
+    holm,
+    images_needed,
+    mcnemar_p,
+    newcombe_interval,
+    paired_counts,
+    tarone_holm,
+    wilson,
+    worse_p,
+)
 
 REPORTED_CLASSES = 20  # the worst classes listed in the verdict (every failing one is listed too)
+WORSE_CONFIDENCE = 0.99  # "worse beyond doubt" on a test set too small for the margin: 1% of equal challengers
 
 
 @dataclass(frozen=True)
@@ -102,9 +115,9 @@ def class_map(classes: Sequence[str], champion_classes: Sequence[str], renamed: 
 
 
 def compare(champion_right: np.ndarray, challenger_right: np.ndarray, rules: GateRules) -> dict[str, Any]:
-    """The paired statistics of top-1 on some test images and their outcome: `non-inferior`, `worse`
-    (the upper bound is below 0), `too-small` (fewer images than `images_needed`) or `not-shown` (enough
-    images, and still not within the margin). The same function serves the whole set and any slice."""
+    """The paired statistics of top-1 on some test images and their outcome: `non-inferior`, `not-shown`
+    (the images the margin needs, and still not within it), `worse` (fewer images, but the 99% upper
+    bound is below 0) or `too-small`. The same function serves the whole set and any slice."""
     t = paired_counts(champion_right, challenger_right)
     lower, upper = newcombe_interval(t, rules.confidence)
     needed = images_needed((t.champion_top1 + t.challenger_top1) / 2, t.discordance, rules.margin, rules.confidence,
@@ -113,12 +126,12 @@ def compare(champion_right: np.ndarray, challenger_right: np.ndarray, rules: Gat
         outcome = "too-small"
     elif lower > -rules.margin:
         outcome = "non-inferior"
-    elif upper < 0:
-        outcome = "worse"
-    elif t.n < needed:
-        outcome = "too-small"
-    else:
+    elif t.n >= needed:
         outcome = "not-shown"
+    elif newcombe_interval(t, WORSE_CONFIDENCE)[1] < 0:
+        outcome = "worse"
+    else:
+        outcome = "too-small"
     return {"images": t.n, "champion_top1": t.champion_top1, "challenger_top1": t.challenger_top1,
             "difference": t.difference, "lower_bound": lower, "upper_bound": upper, "confidence": rules.confidence,
             "method": "Newcombe hybrid score (method 10, continuity-adjusted phi), one-sided bounds",
@@ -129,8 +142,8 @@ def compare(champion_right: np.ndarray, challenger_right: np.ndarray, rules: Gat
 def class_rule(labels: np.ndarray, champion_right: np.ndarray, challenger_right: np.ndarray, classes: Sequence[str],
                rules: GateRules) -> list[dict[str, Any]]:
     """Per class present in `labels`: both recalls, the flips, the one-sided exact p that the challenger
-    lost recall and its Holm adjustment over the judged classes (`min_support` images or more), and
-    whether it fails. Failing classes first, then by drop."""
+    lost recall and the level it was tested at (`tarone_holm` over the judged classes, those with
+    `min_support` images or more), and whether it fails. Failing classes first, then by drop."""
     k = len(classes)
     support = np.bincount(labels, minlength=k)
     hits = lambda right: np.bincount(labels, weights=right.astype(np.float64), minlength=k)  # noqa: E731
@@ -138,15 +151,15 @@ def class_rule(labels: np.ndarray, champion_right: np.ndarray, challenger_right:
     negative, positive = hits(champion_right & ~challenger_right), hits(~champion_right & challenger_right)
     judged = support >= rules.min_support
     p = worse_p(negative, positive)
-    adjusted = np.ones(k)
-    adjusted[judged] = holm(p[judged])
+    rejected, level = np.zeros(k, dtype=bool), np.ones(k)
+    rejected[judged], level[judged] = tarone_holm(p[judged], 0.5 ** (negative + positive)[judged], rules.alpha)
     with np.errstate(invalid="ignore", divide="ignore"):
         before, after = champion_hits / support, challenger_hits / support
     drop = before - after
-    failing = judged & (adjusted <= rules.alpha) & (drop > rules.max_class_drop + 1e-12)
+    failing = rejected & (drop > rules.max_class_drop + 1e-12)
     rows = [{"class": classes[i], "support": int(support[i]), "champion_recall": float(before[i]),
              "challenger_recall": float(after[i]), "drop": float(drop[i]), "negative_flips": int(negative[i]),
-             "positive_flips": int(positive[i]), "p_worse": float(p[i]), "p_holm": float(adjusted[i]),
+             "positive_flips": int(positive[i]), "p_worse": float(p[i]), "level": float(level[i]),
              "judged": bool(judged[i]), "failing": bool(failing[i])} for i in np.flatnonzero(support)]
     return sorted(rows, key=lambda r: (not r["failing"], -r["drop"], r["class"]))
 
@@ -257,12 +270,12 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     for r in failing:
         reasons.append(f"class {r['class']!r} loses {r['drop']:.1%} of recall ({r['champion_recall']:.1%} -> "
                        f"{r['challenger_recall']:.1%} on {r['support']} images; {r['negative_flips']} now wrong, "
-                       f"{r['positive_flips']} now right; p={r['p_holm']:.2g} after Holm over {judged} classes), "
-                       f"more than the allowed {rules.max_class_drop:.1%}")
+                       f"{r['positive_flips']} now right; p={r['p_worse']:.2g}, below the {r['level']:.2g} the "
+                       f"correction for {judged} classes asks), more than the allowed {rules.max_class_drop:.1%}")
     if not failing:
         reasons.append(f"no class loses recall beyond doubt and by more than {rules.max_class_drop:.1%} "
                        f"({judged} classes with at least {rules.min_support} test images judged, "
-                       f"Holm-adjusted at {rules.alpha:.0%})")
+                       f"{rules.alpha:.0%} for them all)")
     verdict.update(classes_judged=judged, classes_failing=[r["class"] for r in failing],
                    worst_classes=failing + [r for r in rows if not r["failing"]][:REPORTED_CLASSES])
 

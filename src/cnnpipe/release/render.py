@@ -42,13 +42,13 @@ def render(verdict: dict[str, Any]) -> str:
         lines += [_paired_row(name, p) for name, p in (verdict.get("slices") or {}).items()]
     if verdict.get("worst_classes"):
         lines += ["", f"## Classes ({verdict['classes_judged']} judged; the worst first)", "",
-                  "| Class | Test images | Champion recall | Challenger recall | Change | Flips | p (Holm) | |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "| Class | Test images | Champion recall | Challenger recall | Change | Flips | p | Tested at | |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for c in verdict["worst_classes"]:
             mark = "FAILS" if c["failing"] else ("" if c["judged"] else "too few to judge")
             lines.append(f"| {_cell(c['class'])} | {c['support']} | {c['champion_recall']:.1%} | "
                          f"{c['challenger_recall']:.1%} | {-c['drop']:+.1%} | {c['negative_flips']} / "
-                         f"{c['positive_flips']} | {c['p_holm']:.2g} | {mark} |")
+                         f"{c['positive_flips']} | {c['p_worse']:.2g} | {c['level']:.2g} | {mark} |")
     if verdict.get("new_classes"):
         lines += ["", "## New classes, judged on their own", "",
                   "| Class | Test images | Recall | Bounds | p below the floor (Holm) | |", "|---|---:|---:|---|---:|---|"]
