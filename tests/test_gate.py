@@ -15,6 +15,7 @@ from cnnpipe.release.stats import (
     mcnemar_p,
     newcombe_interval,
     paired_counts,
+    tarone_holm,
     wilson,
     worse_p,
 )
@@ -69,6 +70,10 @@ def test_mcnemar_holm_and_the_images_needed_by_hand():
     # Holm: sorted 0.01, 0.02, 0.04, 0.30 times 4, 3, 2, 1 = 0.04, 0.06, 0.08, 0.30 (already monotone)
     assert holm(np.array([0.04, 0.01, 0.30, 0.02])) == pytest.approx([0.08, 0.04, 0.30, 0.06])
     assert holm(np.array([0.03, 0.01])) == pytest.approx([0.03, 0.02])  # 0.01*2 = 0.02, then max(0.03, 0.02)
+    # Tarone-Holm: two tests can never go below 0.2, so only the first counts: K = 1, 0.02 <= 0.05
+    # (Holm alone: 0.02 * 3 = 0.06, not rejected)
+    rejected, level = tarone_holm(np.array([0.02, 0.5, 0.5]), np.array([0.001, 0.2, 0.2]), 0.05)
+    assert rejected.tolist() == [True, False, False] and level.tolist() == [0.05, 1.0, 1.0]
     # For a large n, the normal approximation: (1.644854 + 1.644854)^2 * 0.06 / 0.01^2 = 6,493 images
     assert images_needed(0.85, 0.06, 0.01) == pytest.approx(6493, rel=0.01)
     # Never disagreeing, both always right: the challenger's Wilson lower bound n / (n + z^2) must be within
@@ -205,17 +210,21 @@ def test_the_per_class_rule_needs_a_loss_beyond_doubt_and_beyond_the_allowed_dro
     assert {r["class"]: r["judged"] for r in verdict["worst_classes"]} == {"c0": False, "c1": True}
 
 
-def test_holm_makes_the_same_loss_count_less_among_more_classes():
-    """8 flips to 0 in one class (p = 2^-8 = 0.0039): it fails among 10 judged classes (x10 = 0.039)
-    and not among 20 (x20 = 0.078)."""
+def test_the_class_correction_counts_only_the_classes_that_could_fail():
+    """One class with 8 images now wrong and none now right: p = 2^-8 = 0.0039. Among 19 classes whose
+    answers did not change (each could never reach any level: Tarone leaves them out) it is tested at
+    5% and fails; Holm alone would have asked 5%/20 = 0.0025. Among 19 classes with 8 answers changed
+    4 each way, each could reach 2^-8: the smallest K with at most K classes able to reach 5%/K is 13
+    (0.05/13 = 0.00385 < 0.0039), so none can, and it does not fail."""
     rules = GateRules(margin=0.99, floors={})
-    for k, fails in ((10, True), (20, False)):
-        spec = {c: (30, 0, 0, 0) for c in range(k)}
-        spec[0] = (22, 8, 0, 0)
-        names = [f"k{i}" for i in range(k)]
-        verdict = judge(*answers(spec), names, names, rules)
-        assert (verdict["classes_failing"] == ["k0"]) is fails
-        assert verdict["worst_classes"][0]["p_holm"] == pytest.approx(min(1.0, k * 0.5**8))
+    names = [f"k{i}" for i in range(20)]
+    quiet = {c: (30, 0, 0, 0) for c in range(1, 20)}
+    verdict = judge(*answers({0: (22, 8, 0, 0), **quiet}), names, names, rules)
+    assert verdict["classes_failing"] == ["k0"] and verdict["worst_classes"][0]["level"] == pytest.approx(0.05)
+    assert verdict["worst_classes"][0]["p_worse"] == pytest.approx(0.5**8)
+    churning = {c: (22, 4, 4, 0) for c in range(1, 20)}
+    verdict = judge(*answers({0: (22, 8, 0, 0), **churning}), names, names, rules)
+    assert verdict["classes_failing"] == []
 
 
 def test_new_classes_are_judged_on_their_own_floor_and_removed_ones_listed():

@@ -39,11 +39,12 @@ characteristics bench/gate_power.py measures.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
-from scipy.stats import binom, norm
+from scipy.stats import binom
 
 from cnnpipe.release.stats import (
     holm,
@@ -54,6 +55,7 @@ from cnnpipe.release.stats import (
     tarone_holm,
     wilson,
     worse_p,
+    z_of,
 )
 
 REPORTED_CLASSES = 20  # the worst classes listed in the verdict (every failing one is listed too)
@@ -102,16 +104,17 @@ def class_map(classes: Sequence[str], champion_classes: Sequence[str], renamed: 
     """Today's index of each champion class (`renamed` maps old names to new ones)."""
     today = {name: i for i, name in enumerate(classes)}
     targets = [renamed.get(name, name) for name in champion_classes]
-    doubled = sorted({t for t in targets if targets.count(t) > 1})
+    doubled = sorted(t for t, n in Counter(targets).items() if n > 1)
     if doubled:
         raise ValueError(f"release.renamed maps two of the champion's classes onto {', '.join(map(repr, doubled))}: "
                          "one name each")
     to_today = np.array([today.get(t, -1) for t in targets], dtype=np.int64)
+    known_names = set(champion_classes)
     known = np.zeros(len(classes), dtype=bool)
     known[to_today[to_today >= 0]] = True
     return ClassMap(to_today, known, [c for c, k in zip(classes, known) if not k],
                     [old for old, i in zip(champion_classes, to_today) if i < 0],
-                    {old: new for old, new in renamed.items() if old in set(champion_classes) and new in today})
+                    {old: new for old, new in renamed.items() if old in known_names and new in today})
 
 
 def compare(champion_right: np.ndarray, challenger_right: np.ndarray, rules: GateRules) -> dict[str, Any]:
@@ -152,7 +155,11 @@ def class_rule(labels: np.ndarray, champion_right: np.ndarray, challenger_right:
     judged = support >= rules.min_support
     p = worse_p(negative, positive)
     rejected, level = np.zeros(k, dtype=bool), np.ones(k)
-    rejected[judged], level[judged] = tarone_holm(p[judged], 0.5 ** (negative + positive)[judged], rules.alpha)
+    # A class can only fail with more changed answers than max_class_drop of its images (b - c <= b + c):
+    # below that it can reach no level that matters, and does not count in the correction either.
+    changed = negative + positive
+    least = np.where(changed > rules.max_class_drop * support, 0.5 ** changed, 1.0)
+    rejected[judged], level[judged] = tarone_holm(p[judged], least[judged], rules.alpha)
     with np.errstate(invalid="ignore", divide="ignore"):
         before, after = champion_hits / support, challenger_hits / support
     drop = before - after
@@ -175,7 +182,7 @@ def new_class_rule(labels: np.ndarray, challenger_pred: np.ndarray, classes: Seq
         n, hits = int(mask.sum()), int(np.sum(challenger_pred[mask] == index[name]))
         if n:
             rows.append({"class": name, "support": n, "recall": hits / n,
-                         "bounds": list(wilson(hits, n, float(norm.ppf(rules.confidence)))),
+                         "bounds": list(wilson(hits, n, z_of(rules.confidence))),
                          "p_below_floor": float(binom.cdf(hits, n, rules.new_class_min_recall))})
     adjusted = holm(np.array([r["p_below_floor"] for r in rows]))
     for row, p in zip(rows, adjusted):

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -59,6 +60,12 @@ class Paired:
         return (self.positive_flips + self.negative_flips) / max(self.n, 1)
 
 
+@functools.lru_cache(maxsize=64)
+def z_of(confidence: float) -> float:
+    """The standard normal quantile of a one-sided `confidence`."""
+    return float(norm.ppf(confidence))
+
+
 def paired_counts(champion_right: np.ndarray, challenger_right: np.ndarray) -> Paired:
     """The four cells of the paired table from per-image correctness."""
     a, b = np.asarray(champion_right, bool), np.asarray(challenger_right, bool)
@@ -91,7 +98,7 @@ def newcombe_interval(t: Paired, confidence: float = 0.95) -> tuple[float, float
     (so together a two-sided interval at 2 * confidence - 1)."""
     if t.n == 0:
         return -1.0, 1.0
-    z = float(norm.ppf(confidence))
+    z = z_of(confidence)
     p_champion, p_challenger = t.champion_top1, t.challenger_top1
     l_champion, u_champion = wilson(t.both_right + t.negative_flips, t.n, z)
     l_challenger, u_challenger = wilson(t.both_right + t.positive_flips, t.n, z)
@@ -180,7 +187,7 @@ def images_needed(accuracy: float, discordance: float, margin: float, confidence
     still need enough images for their accuracies' intervals to fit in the margin."""
     if margin <= 0:
         return NEVER
-    z_power = float(norm.ppf(power))
+    z_power = z_of(power)
 
     def clears(n: int) -> bool:
         d = -z_power * math.sqrt(max(discordance, 0.0) / n)
