@@ -69,6 +69,7 @@ class GateRules:
     margin: float = 0.01
     confidence: float = 0.95
     power: float = 0.95
+    class_confidence: float = 0.95  # family-wise, over the judged classes
     min_support: int = 20
     max_class_drop: float = 0.05
     too_small: Literal["bless", "refuse"] = "bless"
@@ -80,6 +81,10 @@ class GateRules:
     @property
     def alpha(self) -> float:
         return 1.0 - self.confidence
+
+    @property
+    def class_alpha(self) -> float:
+        return 1.0 - self.class_confidence
 
     @classmethod
     def from_config(cls, cfg: Any) -> GateRules:
@@ -159,7 +164,7 @@ def class_rule(labels: np.ndarray, champion_right: np.ndarray, challenger_right:
     # below that it can reach no level that matters, and does not count in the correction either.
     changed = negative + positive
     least = np.where(changed > rules.max_class_drop * support, 0.5 ** changed, 1.0)
-    rejected[judged], level[judged] = tarone_holm(p[judged], least[judged], rules.alpha)
+    rejected[judged], level[judged] = tarone_holm(p[judged], least[judged], rules.class_alpha)
     with np.errstate(invalid="ignore", divide="ignore"):
         before, after = champion_hits / support, challenger_hits / support
     drop = before - after
@@ -282,7 +287,7 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     if not failing:
         reasons.append(f"no class loses recall beyond doubt and by more than {rules.max_class_drop:.1%} "
                        f"({judged} classes with at least {rules.min_support} test images judged, "
-                       f"{rules.alpha:.0%} for them all)")
+                       f"{rules.class_alpha:.0%} for them all)")
     verdict.update(classes_judged=judged, classes_failing=[r["class"] for r in failing],
                    worst_classes=failing + [r for r in rows if not r["failing"]][:REPORTED_CLASSES])
 
