@@ -176,3 +176,20 @@ def test_an_old_checkpoint_without_a_recipe_is_read_from_its_meta():
     meta = {"in_chans": 1, "image_size": 28, "mean": [0.5], "std": [0.25]}
     assert recipe_of(meta) == {"decode": None, "stored_size": None, "channels": 1, "resize": "bilinear-antialias",
                                "image_size": 28, "mean": [0.5], "std": [0.25]}
+
+
+def test_calibration_fits_on_the_whole_validation_split_and_records_the_recipe(store, tmp_path, monkeypatch):
+    from cnnpipe.train import temperature
+
+    root, data = store
+    model_dir = make_model(tmp_path / "model", CLASSES, data, seed=5)
+    recipe = ckpt.load(model_dir / "best.pt")["meta"]["input"]
+    state = ckpt.load(model_dir / "best.pt")
+    state["meta"] = {k: v for k, v in state["meta"].items() if k != "input"}
+    ckpt.save_atomic(state, model_dir / "best.pt")
+    val = open_split(root / "prepared", "val")
+    fitted = temperature.calibrate_best(model_dir, val, torch.device("cpu"), recipe)
+    assert fitted["val_images"] == len(val) >= 6
+    assert ckpt.load(model_dir / "best.pt")["meta"]["input"] == recipe
+    monkeypatch.setattr(temperature, "MAX_FIT_IMAGES", 3)  # a huge split: a class-balanced part of it
+    assert temperature.calibrate_best(model_dir, val, torch.device("cpu"))["val_images"] == 3
