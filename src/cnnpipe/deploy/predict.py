@@ -5,9 +5,9 @@ best.pt (`train.recipe`): `prepare`'s decode (EXIF orientation, any mode to RGB,
 white, short side to the recipe's stored size, centre square), greyscale when the model was trained
 on one channel, then evaluation's resize to the input size and normalisation. A model trained at
 `image_size: auto` on a GPU (stored at 32 px, upsampled to 224) gets a 224 px input upsampled from a
-32 px square, as in training and in the gate, never a sharp 224 px photo. Probabilities are calibrated (the model's fitted temperature), so `--min-confidence 0.9`
-means what it says: an image below it is marked uncertain, with its best guess, instead of forced
-into a class. A file that cannot be read as an image gets a row with an error, never a crash.
+32 px square, as in training and in the gate, never a sharp 224 px photo. Probabilities are
+calibrated (the model's fitted temperature), so `--min-confidence 0.9` means what it says: an image
+below it is marked uncertain, with its best guess, instead of forced into a class. A file that cannot be read as an image gets a row with an error, never a crash.
 """
 
 from __future__ import annotations

@@ -90,6 +90,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
     verdict["challenger"] = {"model": str(challenger / "best.pt"), "sha256": file_sha256(challenger / "best.pt"),
                              "input": recipe_of(meta), "test_images": len(split)}
     verdict["rules"] = {"margin": cfg.margin, "confidence": rules.confidence, "power": rules.power,
+                        "class_confidence": rules.class_confidence,
                         "min_support": cfg.min_support, "max_class_drop": cfg.max_class_drop,
                         "too_small": cfg.too_small, "new_class_min_recall": cfg.new_class_min_recall,
                         "max_to_new_class": cfg.max_to_new_class, "renamed": dict(cfg.renamed),
