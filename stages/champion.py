@@ -1,7 +1,9 @@
 """champion stage: the model in production (the GTO stage `release.stage`), fetched at its commit.
 
 Runs on every `dvc repro` (an assignment can move without any file changing); its output changes
-only when the champion does, so nothing downstream reruns otherwise.
+only when the champion does, so nothing downstream reruns otherwise. It reads the git remote's tags
+first (`release.remote`) and fails, naming the fix, when what is in production cannot be told for
+sure: a remote it cannot reach, tags that differ, unpublished local tags, a deprecated artifact.
 """
 
 import argparse
@@ -10,6 +12,7 @@ from pathlib import Path
 
 from cnnpipe.params import ParamsError, load_params, release_config
 from cnnpipe.release.champion import fetch_champion
+from cnnpipe.release.production import ProductionUnknown
 
 
 def main() -> int:
@@ -24,8 +27,8 @@ def main() -> int:
         print(f"champion: {exc}", file=sys.stderr)
         return 2
     try:
-        about = fetch_champion(Path(args.repo).resolve(), cfg.artifact, cfg.stage, Path(args.out))
-    except KeyError as exc:
+        about = fetch_champion(Path(args.repo).resolve(), cfg, Path(args.out))
+    except (KeyError, ProductionUnknown) as exc:
         print(f"champion: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # DVC could not fetch the promoted model: say what to do

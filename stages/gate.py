@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from cnnpipe.params import ParamsError, load_params, release_config, resolve
+from cnnpipe.release.render import headline
 from cnnpipe.release.verdict import run_gate
 from cnnpipe.train.checkpoint import UnsafeCheckpoint
 from cnnpipe.train.distributed import resolve_device
@@ -18,21 +19,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--champion", default="models/champion", help="the champion stage's output")
-    parser.add_argument("--challenger", default="metrics/optimized", help="evaluate's outputs for the challenger")
+    parser.add_argument("--challenger", default="models/optimized", help="the challenger's best.pt folder")
+    parser.add_argument("--metrics", default="metrics/optimized", help="evaluate's eval.json for the challenger")
     parser.add_argument("--data", default="data/prepared")
     parser.add_argument("--out", default="metrics", help="gate.json and gate.md go here")
     args = parser.parse_args()
     try:
         raw = load_params(args.params)
         device = resolve_device(resolve(raw, "optimized").train.device)
-        verdict = run_gate(release_config(raw), Path(args.champion), Path(args.challenger), Path(args.data),
-                           Path(args.out), device)
+        verdict = run_gate(release_config(raw), Path(args.champion), Path(args.challenger), Path(args.metrics),
+                           Path(args.data), Path(args.out), device)
     except (ParamsError, UnsafeCheckpoint, FileNotFoundError, KeyError, ValueError) as exc:
         print(f"gate: {exc}", file=sys.stderr)
         return 2
-    print(f"gate: {'BLESSED' if verdict['blessed'] else 'REFUSED'}")
-    for reason in verdict["reasons"]:
-        print(f"gate:   {reason}")
+    print(f"gate: {headline(verdict)}")
+    for line in verdict["warnings"] + verdict["reasons"]:
+        print(f"gate:   {line}")
     return 0
 
 

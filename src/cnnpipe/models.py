@@ -13,7 +13,7 @@ import os
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import timm
@@ -169,17 +169,19 @@ def classifier_keys(model: torch.nn.Module) -> tuple[str, str]:
 
 
 def warm_start(model: torch.nn.Module, weights: dict[str, torch.Tensor], old_classes: Sequence[str],
-               classes: Sequence[str]) -> dict[str, list[str]]:
+               classes: Sequence[str], renamed: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Load a previous model's `weights` into `model` (built for `classes`), mapping the classifier's
-    rows by class name: a class both know keeps its row wherever it moved, a new class keeps the
-    fresh row `model` was built with, a removed class's row is dropped. Returns what was mapped."""
+    rows by class name: a class both know keeps its row wherever it moved (a class renamed
+    {old: new} in `renamed` keeps the old name's row), a new class keeps the fresh row `model` was
+    built with, a removed class's row is dropped. Returns what was mapped."""
     weight_key, bias_key = classifier_keys(model)
     own = model.state_dict()
     if weights.keys() != own.keys() or any(weights[k].shape != own[k].shape for k in own
                                            if k not in (weight_key, bias_key)):
         raise ValueError("the champion's weights do not fit this model (another model.name or input channels?): "
                          "set model.init: pretrained for this run")
-    row = {name: i for i, name in enumerate(old_classes)}
+    renamed = dict(renamed or {})
+    row = {renamed.get(name, name): i for i, name in enumerate(old_classes)}
     mapped = dict(weights)
     for key in (weight_key, bias_key):
         fresh = own[key].clone()
@@ -188,8 +190,10 @@ def warm_start(model: torch.nn.Module, weights: dict[str, torch.Tensor], old_cla
                 fresh[i] = weights[key][row[name]]
         mapped[key] = fresh
     model.load_state_dict(mapped)
+    today = set(classes)
     return {"kept": [c for c in classes if c in row], "new": [c for c in classes if c not in row],
-            "removed": [c for c in old_classes if c not in set(classes)]}
+            "removed": [c for c in old_classes if renamed.get(c, c) not in today],
+            "renamed": {old: new for old, new in renamed.items() if old in set(old_classes) and new in today}}
 
 
 def model_mean_std(model: torch.nn.Module, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -1,8 +1,10 @@
 """Export the best checkpoint to TorchScript and ONNX, and check both against PyTorch on real images.
 
 The exported graphs take what evaluation feeds the model: float32 NCHW at `image_size`, normalised
-with the mean/std in `meta.json` (written beside them, with the class names), and return logits
-divided by the model's fitted temperature: their softmax is the calibrated probability predict gives.
+with the mean/std in `meta.json` (written beside them, with the class names and the whole input
+recipe, `recipe`: a raw photo is decoded to the recipe's stored square, then resized and normalised,
+exactly as predict does), and return logits divided by the model's fitted temperature: their
+softmax is the calibrated probability predict gives.
 The batch dimension is dynamic in both. Exports are fp32 on the CPU: the portable form; a runtime
 may lower the precision itself.
 """
@@ -20,9 +22,10 @@ import torch
 
 from cnnpipe.data.loaders import build_eval_loader
 from cnnpipe.data.split import balanced_subset
-from cnnpipe.data.store import open_split
+from cnnpipe.data.store import open_split, read_index
 from cnnpipe.files import write_json
 from cnnpipe.monitor import process_seconds
+from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, store_recipe
 from cnnpipe.train.trained import Calibrated, load_trained, make_transform
 
 OPSET = 18
@@ -120,6 +123,10 @@ def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_pat
     """Write model.ts, model.onnx and meta.json to `out_dir`, and the parity report to `metrics_path`."""
     cpu = torch.device("cpu")
     model, meta = load_trained(model_dir, cpu)
+    other = recipe_differences(recipe_of(meta), store_recipe(read_index(prepared_dir)), STORE_KEYS)
+    if other:
+        raise ValueError(f"{model_dir}/best.pt was trained on another store than {prepared_dir} ({'; '.join(other)}): "
+                         f"the parity check would run on pixels it never sees; rerun `dvc repro train@{model_dir.name}`")
     model = Calibrated(model.to(memory_format=torch.contiguous_format).float(), meta["temperature"]).eval()
     example = torch.zeros(2, meta["in_chans"], meta["image_size"], meta["image_size"])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -136,7 +143,10 @@ def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_pat
     check_dynamic_batch(scripted, run_onnx, meta)
     write_json(out_dir / "meta.json", {
         "classes": meta["classes"], "image_size": meta["image_size"], "in_chans": meta["in_chans"],
-        "mean": meta["mean"], "std": meta["std"], "input": "float32 NCHW, (pixels/255 - mean) / std",
+        "mean": meta["mean"], "std": meta["std"], "recipe": recipe_of(meta),
+        "input": "float32 NCHW at image_size: a photo decoded to recipe.stored_size (short side, centre square), "
+                 "recipe.channels, resized to image_size (bilinear, antialiased), (pixels/255 - mean) / std; "
+                 "cnnpipe.train.recipe.photo_input and cnnpipe.train.trained.make_transform apply it",
         "output": "logits / temperature (softmax: calibrated probabilities)", "temperature": meta["temperature"],
         "weights": meta["weights"], "epoch": meta["epoch"], "onnx_opset": OPSET})
     result = {

@@ -1,11 +1,13 @@
 """Classify new image files with a trained model: `python -m cnnpipe.predict IMAGE_OR_FOLDER ...`.
 
-Every file goes through the same steps as the data the model was evaluated on: `prepare`'s decode
-(EXIF orientation, any mode to RGB, transparency onto white, short side to the stored size, centre
-square), greyscale when the model was trained on one channel, then evaluation's deterministic
-transform. Probabilities are calibrated (the model's fitted temperature), so `--min-confidence 0.9`
-means what it says: an image below it is marked uncertain, with its best guess, instead of forced
-into a class. A file that cannot be read as an image gets a row with an error, never a crash.
+Every file goes through the input recipe the model was trained and judged with, recorded in its
+best.pt (`train.recipe`): `prepare`'s decode (EXIF orientation, any mode to RGB, transparency onto
+white, short side to the recipe's stored size, centre square), greyscale when the model was trained
+on one channel, then evaluation's resize to the input size and normalisation. A model trained at
+`image_size: auto` on a GPU (stored at 32 px, upsampled to 224) gets a 224 px input upsampled from a
+32 px square, as in training and in the gate, never a sharp 224 px photo. Probabilities are
+calibrated (the model's fitted temperature), so `--min-confidence 0.9` means what it says: an image
+below it is marked uncertain, with its best guess, instead of forced into a class. A file that cannot be read as an image gets a row with an error, never a crash.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cnnpipe.data.decode import decode_file, is_hidden
+from cnnpipe.data.decode import is_hidden
 from cnnpipe.data.store import read_index
 from cnnpipe.train.distributed import resolve_device
 from cnnpipe.train.precision import autocast
+from cnnpipe.train.recipe import LUMA, photo_input, recipe_of, to_channels
 from cnnpipe.train.trained import load_trained, make_transform
 
+__all__ = ["LUMA", "Prediction", "Predictor", "list_all", "list_inputs", "main", "to_channels", "write_predictions"]
+
 DEFAULT_MAX_PIXELS = 89_478_485  # data.max_pixels' default: PIL's own decompression-bomb limit
-# ITU-R 601-2 luma, the weights PIL's convert("L") uses: a photo turns grey as a greyscale scan would.
-LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 
 
 @dataclass
@@ -72,16 +75,6 @@ def list_all(targets: Sequence[Path]) -> list[Path]:
     return list(seen)
 
 
-def to_channels(image: np.ndarray, channels: int) -> np.ndarray:
-    """RGB (H, W, 3) uint8 → (H, W, channels) uint8, the layout the model was trained on."""
-    if channels == 3:
-        return image
-    if channels == 1:
-        grey = np.rint(image.astype(np.float32) @ LUMA).clip(0, 255).astype(np.uint8)
-        return grey[..., None]
-    raise ValueError(f"models with {channels} input channels are not supported (1 or 3)")
-
-
 @dataclass
 class Predictor:
     """A trained model with its input contract, ready to classify decoded images."""
@@ -89,30 +82,35 @@ class Predictor:
     model: torch.nn.Module
     meta: dict
     classes: list[str]
-    stored_size: int
+    recipe: dict
     device: torch.device
     max_pixels: int = DEFAULT_MAX_PIXELS
 
+    @property
+    def stored_size(self) -> int:
+        return int(self.recipe["stored_size"])
+
     @classmethod
     def load(cls, model_path: Path, prepared_dir: Path | None, device: torch.device) -> Predictor:
-        """The model in `model_path` (a best.pt or its folder) with the class names it was trained on
-        (they travel in best.pt: a champion from an older catalog keeps its own); the stored size from
-        the prepared index when there is one, else the model's input size."""
+        """The model in `model_path` (a best.pt or its folder) with the class names and the input recipe
+        it was trained with (they travel in best.pt: a champion from an older catalog keeps its own). A
+        checkpoint older than input recipes takes its stored size from the prepared index when there is
+        one, else its input size."""
         model_dir = model_path if model_path.is_dir() else model_path.parent
         if model_path.is_file() and model_path.name != "best.pt":
             raise ValueError(f"{model_path}: expected a cnnpipe best.pt checkpoint or the folder holding it")
         model, meta = load_trained(model_dir, device)
-        classes, stored = list(meta["classes"]), meta["image_size"]
-        if prepared_dir is not None and (prepared_dir / "index.json").exists():
-            stored = int(read_index(prepared_dir)["size"])
-        return cls(model, meta, classes, stored, device)
+        recipe = recipe_of(meta)
+        if recipe["stored_size"] is None:
+            index = prepared_dir is not None and (prepared_dir / "index.json").exists()
+            recipe["stored_size"] = int(read_index(prepared_dir)["size"]) if index else meta["image_size"]
+            print(f"predict: {model_dir / 'best.pt'} predates input recipes: decoding to {recipe['stored_size']} px "
+                  f"({'the prepared index' if index else 'its input size'})", file=sys.stderr)
+        return cls(model, meta, list(meta["classes"]), recipe, device)
 
     def decode(self, path: Path) -> np.ndarray | str:
-        """The prepared-format image for `path`, or the reason it cannot be used."""
-        decoded = decode_file(path, self.stored_size, self.max_pixels)
-        if decoded.image is None:
-            return decoded.reason or "unreadable"
-        return to_channels(decoded.image, self.meta["in_chans"])
+        """The stored square the recipe makes of `path`, or the reason it cannot be used."""
+        return photo_input(self.recipe, path, self.max_pixels)
 
     @torch.no_grad()
     def probabilities(self, images: np.ndarray) -> torch.Tensor:
@@ -167,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", default="optimized", help="use models/<variant>/best.pt (default optimized)")
     parser.add_argument("--model", type=Path, help="a best.pt checkpoint or its folder (overrides --variant)")
     parser.add_argument("--data", type=Path, default=Path("data/prepared"),
-                        help="prepared folder whose index.json gives class names and stored size")
+                        help="for a checkpoint older than input recipes: the prepared folder whose index.json gives "
+                             "the stored size (a newer best.pt carries its own)")
     parser.add_argument("--topk", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

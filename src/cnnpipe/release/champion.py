@@ -1,10 +1,15 @@
 """The champion: the model assigned to a GTO stage (`release.stage`, prod), fetched at its commit.
 
-GTO records versions and stage assignments as annotated git tags (`name@v0.2.0`, `name#prod#3`);
-the newest assignment wins, so `gto assign` of an older version is a rollback. The model's bytes
-come from DVC at the tagged commit (`dvc.api.open`: the local cache, else the DVC remote), so the
-champion is exactly what was promoted, whatever the workspace holds. The output is rewritten only
-when the champion changed: the stage reruns every time, and nothing downstream does.
+Which version that is comes from `production.resolve`: the git remote's tags first (fetched when
+this clone lacks them, refused when they disagree), then GTO's rules, so a rollback pushed from
+another clone is what the next run fetches, and a clone without tags never mistakes itself for a
+first week. The model's bytes come from DVC at the tagged commit (`dvc.api.open`: the local cache,
+else the DVC remote), so the champion is exactly what was promoted, whatever the workspace holds.
+The output is rewritten only when its content changes: the stage reruns every time, and nothing
+downstream does unless the champion (or the hand-over below) changed.
+
+champion.json also carries the warm start's hand-over from the release params (`warm_start`:
+`renamed` and `across_recipes`), so that training, which reads it, reruns when they change.
 """
 
 from __future__ import annotations
@@ -17,65 +22,57 @@ from typing import Any
 
 import yaml
 
+from cnnpipe.config import ReleaseConfig
 from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
+from cnnpipe.release.production import resolve
 
 MODEL = "best.pt"
 
 
-def artifact_path(repo: Path, name: str) -> str:
-    """Where dvc.yaml's `artifacts:` puts model `name`."""
-    declared = (yaml.safe_load((repo / "dvc.yaml").read_text()) or {}).get("artifacts") or {}
+def artifact_path(repo: Path | None, name: str, dvc_yaml: str | None = None) -> str:
+    """Where dvc.yaml's `artifacts:` puts model `name` (`dvc_yaml`: that file's text, else repo's)."""
+    text = dvc_yaml if dvc_yaml is not None else (Path(repo) / "dvc.yaml").read_text()  # type: ignore[arg-type]
+    declared = (yaml.safe_load(text) or {}).get("artifacts") or {}
     if name not in declared:
-        raise KeyError(f"release.artifact={name!r} is not under `artifacts:` in {repo / 'dvc.yaml'} "
+        raise KeyError(f"release.artifact={name!r} is not under `artifacts:` in dvc.yaml "
                        f"(declared: {', '.join(declared) or 'none'})")
     return str(declared[name]["path"])
 
 
-def in_stage(repo: Path, name: str, stage: str) -> dict[str, Any] | None:
-    """The version of `name` last assigned to `stage` (version, commit, date, tag, message), or None:
-    no git repository, no version registered, or none in that stage."""
-    import gto.api  # here: a fresh clone without tags never needs it loaded
-    from gto.exceptions import GTOException
+def download(repo: str, path: str, commit: str, out: Path) -> str:
+    """`path` at `commit` of the DVC project `repo` (a folder or a git URL) into `out`, atomically;
+    returns its sha256. The file is replaced only when its content changed."""
+    import dvc.api
 
-    if not (repo / ".git").exists():
-        return None
-    try:
-        versions = gto.api.show(str(repo), f"{name}#{stage}")  # newest assignment first: rollbacks count
-    except GTOException:  # nothing registered under this name yet
-        return None
-    if not versions:
-        return None
-    version = versions[0]
-    assignment = next(s for s in version["stages"] if s["stage"] == stage)["assignments"][-1]
-    return {"artifact": name, "stage": stage, "version": version["version"], "commit": version["commit_hexsha"],
-            "assigned_at": str(assignment["created_at"]), "tag": assignment["tag"],
-            "message": assignment["message"]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.parent / f".{out.name}.tmp"
+    with dvc.api.open(path, repo=repo, rev=commit, mode="rb") as src, open(temp, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    digest = file_sha256(temp)
+    if out.exists() and file_sha256(out) == digest:
+        temp.unlink()
+    else:
+        os.replace(temp, out)
+    return digest
 
 
-def fetch_champion(repo: Path, name: str, stage: str, out: Path) -> dict[str, Any]:
+def fetch_champion(repo: Path, cfg: ReleaseConfig, out: Path) -> dict[str, Any]:
     """Write the champion's best.pt and champion.json to `out`, or champion.json saying there is none.
-    Files are replaced only when their content changes."""
-    found = in_stage(repo, name, stage)
+    Raises production.ProductionUnknown when what is in production cannot be told for sure."""
+    found = resolve(repo, cfg.artifact, cfg.stage, cfg.remote)
+    handover = {"renamed": dict(cfg.renamed), "across_recipes": cfg.warm_start_across_recipes}
     out.mkdir(parents=True, exist_ok=True)
     if found is None:
         (out / MODEL).unlink(missing_ok=True)
-        about: dict[str, Any] = {"artifact": name, "stage": stage, "version": None,
-                                 "reason": f"no version of {name!r} is assigned to {stage!r} yet: the gate judges "
-                                           "on the floors alone and training starts as `pretrained`"}
+        about: dict[str, Any] = {"artifact": cfg.artifact, "stage": cfg.stage, "version": None,
+                                 "reason": f"no version of {cfg.artifact!r} is in {cfg.stage!r}, here or on the remote: "
+                                           "the gate judges on the floors alone and training starts as `pretrained`",
+                                 "warm_start": handover}
         _write_if_changed(out / CHAMPION_FILE, about)
         return about
-    import dvc.api
-
-    path = artifact_path(repo, name)
-    temp = out / f".{MODEL}.tmp"
-    with dvc.api.open(path, repo=str(repo), rev=found["commit"], mode="rb") as src, open(temp, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-    digest = file_sha256(temp)
-    if (out / MODEL).exists() and file_sha256(out / MODEL) == digest:
-        temp.unlink()
-    else:
-        os.replace(temp, out / MODEL)
-    about = {**found, "path": path, "sha256": digest}
+    path = artifact_path(repo, cfg.artifact)
+    digest = download(str(repo), path, found["commit"], out / MODEL)
+    about = {**found, "path": path, "sha256": digest, "warm_start": handover}
     _write_if_changed(out / CHAMPION_FILE, about)
     return about
 

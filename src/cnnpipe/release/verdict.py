@@ -1,13 +1,14 @@
-"""The gate stage's work: both models' answers on today's test split, the decision, gate.json and gate.md.
+"""The gate stage's work: both models' answers on today's test split, `gate.judge`, gate.json and gate.md.
 
-The champion is evaluated here, on today's test split (stable: last week's test photos are still in
-it, plus the new ones); its classes are matched to today's by name, so a class it never saw counts
-as its error. The challenger's answers are evaluate's predictions.csv for the same images.
+Both models run here, on the same stored test images, each through its own input recipe (its input
+size and normalisation; the stored squares are today's store's, so the champion's recipe must have
+the same decode, stored size and channels, or it cannot be judged on these pixels). The
+challenger's answers come out twice: its argmax over all of today's classes, and over the classes
+the champion knows (`challenger_pred_known`: like for like). Its floors use evaluate's eval.json.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -17,79 +18,84 @@ import torch
 
 from cnnpipe.config import ReleaseConfig
 from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.store import open_split, test_sources
-from cnnpipe.files import CHAMPION_FILE, write_json
-from cnnpipe.release.gate import GateRules, class_changes, decide, paired_counts
-from cnnpipe.train.engine import predict
+from cnnpipe.data.store import PreparedSplit, open_split, read_index
+from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
+from cnnpipe.release.gate import GateRules, class_map, judge
+from cnnpipe.release.render import render
+from cnnpipe.train.precision import autocast
+from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, store_recipe
 from cnnpipe.train.trained import load_trained, make_transform
 
 
-def champion_answers(champion: Path, prepared_dir: Path, classes: list[str],
-                     device: torch.device) -> tuple[np.ndarray, list[str]]:
-    """The champion's prediction for every test image, as an index into today's `classes` (-1: a
-    class today's data no longer has), and the classes it knows."""
-    model, meta = load_trained(champion, device)
+@torch.no_grad()
+def answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit, device: torch.device,
+            among: np.ndarray | None = None, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray | None]:
+    """The model's argmax per test image, and with `among` (a mask over its classes) its argmax among
+    those classes alone. Argmaxes are taken batch by batch: no N x classes logits kept."""
+    model.eval()
+    transform, top, top_among = make_transform(meta), [], []
+    masked = None if among is None else torch.as_tensor(~among, device=device)
+    for images, _ in build_eval_loader(split, batch_size=batch_size):
+        with autocast(meta["amp"], device):
+            logits = model(transform(images.to(device, non_blocking=True))).float()
+        top.append(logits.argmax(1))
+        if masked is not None:
+            top_among.append(logits.masked_fill(masked, float("-inf")).argmax(1))
+    pred = torch.cat(top).cpu().numpy() if top else np.zeros(0, np.int64)
+    known = (torch.cat(top_among).cpu().numpy() if top_among else np.zeros(0, np.int64)) if among is not None else None
+    return pred, known
+
+
+def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_metrics: Path, prepared_dir: Path,
+             out_dir: Path, device: torch.device) -> dict[str, Any]:
+    """Judge the challenger (`challenger`/best.pt, its eval.json in `challenger_metrics`) against the
+    champion stage's output in `champion`; write gate.json and gate.md to `out_dir`."""
+    index = read_index(prepared_dir)
+    classes, store = list(index["classes"]), store_recipe(index)
     split = open_split(prepared_dir, "test")
-    if split.channels != meta["in_chans"]:
-        raise ValueError(f"{champion}: the champion reads {meta['in_chans']} channel(s), the data has {split.channels}")
-    logits, _ = predict(model, build_eval_loader(split, batch_size=256), make_transform(meta), device, meta["amp"])
-    today = {name: i for i, name in enumerate(classes)}
-    to_today = np.array([today.get(name, -1) for name in meta["classes"]], dtype=np.int64)
-    return to_today[logits.argmax(1).numpy()], list(meta["classes"])
-
-
-def challenger_answers(predictions: Path, prepared_dir: Path, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(labels, predictions) as indices into `classes`, from evaluate's predictions.csv, checked to be
-    the test split's images in its order."""
-    with open(predictions, newline="", encoding="utf-8") as fh:
-        rows = list(csv.DictReader(fh))
-    sources = test_sources(prepared_dir)
-    if [r["source"] for r in rows] != sources:
-        raise ValueError(f"{predictions} is not for today's test split ({len(rows)} rows, {len(sources)} test images): "
-                         "rerun `dvc repro evaluate@optimized`")
-    index = {name: i for i, name in enumerate(classes)}
-    return (np.array([index[r["actual"]] for r in rows], dtype=np.int64),
-            np.array([index[r["predicted"]] for r in rows], dtype=np.int64))
-
-
-def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, prepared_dir: Path, out_dir: Path,
-             device: torch.device) -> dict[str, Any]:
-    """Judge the challenger (evaluate's outputs in `challenger`) against the champion stage's output
-    in `champion`; write gate.json and gate.md to `out_dir`."""
-    classes = list(json.loads((prepared_dir / "index.json").read_text())["classes"])
-    labels, ours = challenger_answers(challenger / "predictions.csv", prepared_dir, classes)
-    metrics = json.loads((challenger / "eval.json").read_text())
+    metrics = json.loads((challenger_metrics / "eval.json").read_text())
     about = json.loads((champion / CHAMPION_FILE).read_text()) if (champion / CHAMPION_FILE).exists() else {}
-    rules = GateRules(cfg.margin, cfg.min_support, cfg.max_class_drop, dict(cfg.floors))
-    if (champion / "best.pt").exists():
-        theirs, their_classes = champion_answers(champion, prepared_dir, classes, device)
-        changes = class_changes(labels, theirs, ours, classes, their_classes)
-        new_classes = [c.name for c in changes if c.champion_recall is None]
-        verdict = decide(rules, metrics, paired_counts(theirs == labels, ours == labels), changes, new_classes)
+    rules = GateRules.from_config(cfg)
+    model, meta = load_trained(challenger, device)
+    stale = recipe_differences(recipe_of(meta), store, STORE_KEYS)
+    if stale:
+        raise ValueError(f"{challenger}/best.pt was trained on another store than {prepared_dir} ({'; '.join(stale)}): "
+                         "rerun `dvc repro train@optimized`")
+    if list(meta["classes"]) != classes:
+        raise ValueError(f"{challenger}/best.pt knows other classes than {prepared_dir}: rerun `dvc repro train@optimized`")
+    notes: list[str] = []
+    if not (champion / "best.pt").exists():
+        ours, _ = answers(model, meta, split, device)
+        verdict = judge(split.labels, None, ours, classes, [], rules, metrics=metrics)
     else:
-        verdict = decide(rules, metrics, None, [], [])
+        their_model, their_meta = load_trained(champion, device)
+        theirs = recipe_of(their_meta)
+        other_pixels = recipe_differences(theirs, store, STORE_KEYS)
+        if theirs["stored_size"] is None:
+            notes.append("the champion's checkpoint predates input recipes: judged on today's store as it is")
+        known = class_map(classes, their_meta["classes"], rules.renamed).known
+        ours, ours_known = answers(model, meta, split, device, among=known)
+        if other_pixels:
+            verdict = judge(split.labels, None, ours, classes, [], rules, metrics=metrics)
+            verdict.update(blessed=False, first_model=False, reasons=verdict["reasons"][1:] + [
+                f"the champion was trained on other inputs than today's store ({'; '.join(other_pixels)}): it cannot "
+                "be judged on these pixels, so the challenger cannot be shown as good; keep data.stored_size, or "
+                "promote with --override after comparing them yourself"])
+        else:
+            their_pred, _ = answers(their_model, their_meta, split, device)
+            verdict = judge(split.labels, their_pred, ours, classes, their_meta["classes"], rules, ours_known,
+                            metrics=metrics)
+    verdict["warnings"] = verdict.get("warnings", []) + notes
     verdict["champion"] = about or None
-    verdict["rules"] = {"margin": cfg.margin, "min_support": cfg.min_support, "max_class_drop": cfg.max_class_drop,
+    verdict["challenger"] = {"model": str(challenger / "best.pt"), "sha256": file_sha256(challenger / "best.pt"),
+                             "input": recipe_of(meta), "test_images": len(split)}
+    verdict["rules"] = {"margin": cfg.margin, "confidence": rules.confidence, "power": rules.power,
+                        "class_confidence": rules.class_confidence,
+                        "min_support": cfg.min_support, "max_class_drop": cfg.max_class_drop,
+                        "too_small": cfg.too_small, "new_class_min_recall": cfg.new_class_min_recall,
+                        "max_to_new_class": cfg.max_to_new_class, "renamed": dict(cfg.renamed),
                         "floors": dict(cfg.floors), "stage": cfg.stage, "artifact": cfg.artifact}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "gate.json", verdict)
     (out_dir / "gate.md").write_text(render(verdict), encoding="utf-8")
     return verdict
-
-
-def render(verdict: dict[str, Any]) -> str:
-    """gate.md: the verdict first, then every reason, then the worst classes."""
-    champion = verdict.get("champion") or {}
-    who = (f"{champion.get('artifact', 'the model')} {champion['version']} (in `{champion.get('stage', 'prod')}`)"
-           if champion.get("version") else "no champion yet")
-    lines = [f"# Gate: {'BLESSED' if verdict['blessed'] else 'REFUSED'}", "",
-             f"Challenger: this commit's optimized model. Champion: {who}.", ""]
-    lines += [f"- {reason}" for reason in verdict["reasons"]]
-    if verdict.get("worst_classes"):
-        lines += ["", "| Class | Test images | Champion recall | Challenger recall | Change |", "|---|---:|---:|---:|---:|"]
-        for c in verdict["worst_classes"]:
-            before = "new" if c["champion_recall"] is None else f"{c['champion_recall']:.1%}"
-            lines.append(f"| {c['class'].replace('|', chr(92) + '|')} | {c['support']} | {before} | "
-                         f"{c['challenger_recall']:.1%} | {-c['drop']:+.1%} |")
-    lines += ["", "Promote a blessed model with `python -m cnnpipe.promote` (it refuses a refused one).", ""]
-    return "\n".join(lines)

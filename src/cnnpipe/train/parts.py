@@ -49,7 +49,7 @@ def build_model(cfg: VariantConfig, classes: list[str], channels: int, device: t
                 champion: Path | None = None):
     """Model on `device` in the configured memory format, with its init record: from the champion in
     `champion` (its best.pt) when `model.init: champion` and there is one, else `create_model`."""
-    model, init = (from_champion(cfg.model, classes, channels, champion) if cfg.model.init == "champion"
+    model, init = (from_champion(cfg, classes, channels, champion) if cfg.model.init == "champion"
                    else create_model(cfg.model, len(classes), channels))
     model.to(device)
     if cfg.train.channels_last:

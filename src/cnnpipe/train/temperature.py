@@ -17,12 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from cnnpipe.data.loaders import build_eval_loader
+from cnnpipe.data.split import balanced_subset
 from cnnpipe.data.store import PreparedSplit
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.engine import predict
 from cnnpipe.train.trained import load_trained, make_transform
 
 T_RANGE = (0.05, 20.0)
+# The most validation images T is fitted on: the logits are held in memory for L-BFGS's passes
+# (50,000 x 1,000 classes is 200 MB), and beyond that T's estimate no longer moves.
+MAX_FIT_IMAGES = 50_000
 
 
 def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -43,16 +47,23 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float(log_t.detach().exp().clamp(*T_RANGE))
 
 
-def calibrate_best(model_dir: Path, val: PreparedSplit, device: torch.device) -> dict[str, Any]:
-    """Fit T for the weights best.pt serves (raw or EMA, as `load_trained` picks) on `val`, and write
-    it into best.pt's meta. Returns T and the validation NLL before and after."""
+def calibrate_best(model_dir: Path, val: PreparedSplit, device: torch.device,
+                   recipe: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fit T for the weights best.pt serves (raw or EMA, as `load_trained` picks) on `val`, and write it
+    into best.pt's meta with the model's input `recipe` (`trained.input_recipe`). Returns T and the
+    validation NLL before and after.
+
+    `val` is the whole validation split (at most MAX_FIT_IMAGES of it, class-balanced), not the
+    budget's per-epoch subset: that subset only picks the best epoch, and a T fitted on 1,000 images
+    of a 10-class set carries their sampling error into every threshold a user sets."""
     model, meta = load_trained(model_dir, device)
+    val = balanced_subset(val, MAX_FIT_IMAGES) if len(val) > MAX_FIT_IMAGES else val
     logits, labels = predict(model, build_eval_loader(val, batch_size=256), make_transform(meta), device, meta["amp"])
     temperature = fit_temperature(logits, labels)
     path = model_dir / "best.pt"
     state = ckpt.load(path)
     state["meta"] = {**state["meta"], "temperature": temperature, "temperature_for": meta["weights"],
-                     "serve": meta["weights"]}
+                     "serve": meta["weights"], **({"input": recipe} if recipe is not None else {})}
     ckpt.save_atomic(state, path)
     return {"temperature": temperature, "val_images": len(labels),
             "val_nll_before": float(F.cross_entropy(logits, labels)),

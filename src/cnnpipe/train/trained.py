@@ -1,6 +1,7 @@
 """A trained model back from models/<variant>/best.pt: the weights, its meta and its input transform.
 
 Shared by evaluate, export and predict, so that loading a model does not pull in the metrics code.
+The whole input recipe, from a raw photo on, is `recipe`'s.
 """
 
 from __future__ import annotations
@@ -76,3 +77,4 @@ def make_transform(meta: dict[str, Any]):
     """The shared deterministic eval/predict transform for this model."""
     return lambda images: eval_transform(images, meta["image_size"], meta["mean"], meta["std"],
                                          meta.get("channels_last", False))
+

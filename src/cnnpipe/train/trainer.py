@@ -24,6 +24,7 @@ from cnnpipe.train.ema import ModelEma
 from cnnpipe.train.engine import evaluate_top1, train_one_epoch
 from cnnpipe.train.pacing import Pacer, save_checkpoints
 from cnnpipe.train.parts import build_training, seed_everything, set_threads, step_context
+from cnnpipe.train.recipe import input_recipe
 from cnnpipe.train.report import Live, announce, batch_note, epoch_record, report_epoch, run_summary
 from cnnpipe.train.resume import resume
 from cnnpipe.train.temperature import calibrate_best
@@ -100,8 +101,10 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     summary = run_summary(cfg, progress.history, parts.init, info, parts.amp, parts.global_batch,
                           parts.schedule.peak_lr, threads, progress.resumed_from, gpu_util,
                           time.perf_counter() - t_start)
+    recipe = input_recipe(cfg.data, train_split.channels, parts.mean, parts.std)  # what serving must apply
     summary.update(optimizer_steps=parts.schedule.total_steps, batch_note=note, val_images=len(val_split),
-                   calibration=calibrate_best(model_dir, val_split, info.device), stage_time_s=process_seconds())
+                   calibration=calibrate_best(model_dir, open_split(prepared_dir, "val"), info.device, recipe),
+                   stage_time_s=process_seconds())
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())
     return summary

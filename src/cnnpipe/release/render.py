@@ -1,0 +1,66 @@
+"""gate.md: the verdict of gate.json in words and tables, the same numbers (never others)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def headline(verdict: dict[str, Any]) -> str:
+    """BLESSED, BLESSED WITH A WARNING (too small to judge) or REFUSED."""
+    if not verdict["blessed"]:
+        return "REFUSED"
+    return "BLESSED WITH A WARNING: too small to judge" if verdict.get("too_small") else "BLESSED"
+
+
+def _paired_row(name: str, p: dict[str, Any]) -> str:
+    needed = "" if p.get("images_needed") is None else f"{p['images_needed']:,}"
+    return (f"| {_cell(name)} | {p['images']:,} | {p['champion_top1']:.2%} | {p['challenger_top1']:.2%} | "
+            f"{p['difference']:+.2%} | {p['lower_bound']:+.2%} | {p['upper_bound']:+.2%} | "
+            f"{p['negative_flips']} / {p['positive_flips']} | {needed} | {p['outcome']} |")
+
+
+def render(verdict: dict[str, Any]) -> str:
+    """gate.md: the verdict first, then the warnings and every reason, then the tables behind them."""
+    champion = verdict.get("champion") or {}
+    who = (f"{champion.get('artifact', 'the model')} {champion['version']} (in `{champion.get('stage', 'prod')}`)"
+           if champion.get("version") else "no champion yet")
+    lines = [f"# Gate: {headline(verdict)}", "", f"Challenger: this commit's optimized model. Champion: {who}.", ""]
+    lines += [f"- **{w}**" for w in verdict.get("warnings", [])]
+    lines += [f"- {reason}" for reason in verdict["reasons"]]
+    paired = verdict.get("paired")
+    if paired:
+        lines += ["", "## Like for like: the test images of the classes the champion knows", "",
+                  f"Bounds one-sided at {paired['confidence']:.0%}; flips: now wrong / now right; *needed*: the test "
+                  "images the margin needs at this discordance.", "",
+                  "| Images | Test images | Champion top-1 | Challenger top-1 | Change | At worst | At best | Flips "
+                  "| Needed | Outcome |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+                  _paired_row("all", paired)]
+        lines += [_paired_row(name, p) for name, p in (verdict.get("slices") or {}).items()]
+    if verdict.get("worst_classes"):
+        lines += ["", f"## Classes ({verdict['classes_judged']} judged; the worst first)", "",
+                  "| Class | Test images | Champion recall | Challenger recall | Change | Flips | p | Tested at | |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for c in verdict["worst_classes"]:
+            mark = "FAILS" if c["failing"] else ("" if c["judged"] else "too few to judge")
+            lines.append(f"| {_cell(c['class'])} | {c['support']} | {c['champion_recall']:.1%} | "
+                         f"{c['challenger_recall']:.1%} | {-c['drop']:+.1%} | {c['negative_flips']} / "
+                         f"{c['positive_flips']} | {c['p_worse']:.2g} | {c['level']:.2g} | {mark} |")
+    if verdict.get("new_classes"):
+        lines += ["", "## New classes, judged on their own", "",
+                  "| Class | Test images | Recall | Bounds | p below the floor (Holm) | |", "|---|---:|---:|---|---:|---|"]
+        for c in verdict["new_classes"]:
+            lo, hi = c["bounds"]
+            lines.append(f"| {_cell(c['class'])} | {c['support']} | {c['recall']:.1%} | {lo:.1%} to {hi:.1%} | "
+                         f"{c['p_holm']:.2g} | {'FAILS' if c['failing'] else ''} |")
+    if verdict.get("to_new_classes"):
+        lines += ["", "## Old classes' test images now called a new class", "",
+                  "| From | To | Images | Share | |", "|---|---|---:|---:|---|"]
+        for r in verdict["to_new_classes"]:
+            lines.append(f"| {_cell(r['from'])} | {_cell(r['to'])} | {r['images']} of {r['of']} | {r['share']:.1%} | "
+                         f"{'FAILS' if r['failing'] else ''} |")
+    lines += ["", "Promote a blessed model with `python -m cnnpipe.promote` (it refuses a refused one).", ""]
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""`python -m cnnpipe.release.verify TAG_OR_REF`: was the model at this `#prod#` assignment (or commit) blessed?
+
+Exits 0 only when, at the commit the tag (or ref) names:
+
+- metrics/gate.json says `blessed`, or a GTO tag of the artifact on that commit records an override
+  (`OVERRIDE by ...`, as `python -m cnnpipe.promote --override` writes);
+- that gate.json is the gate stage's own output (its md5 is the one dvc.lock records for it);
+- the gate judged that commit's model: the gate stage's recorded input `models/optimized` has the
+  hash dvc.lock records for train@optimized's output, the artifact's folder.
+
+Git alone answers all three (no DVC remote, no model bytes), so it runs as the CI job on every
+tag push: a `gto assign` made by hand, past the gate, fails the build (docs/weekly-loop.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cnnpipe.config import ReleaseConfig
+from cnnpipe.release.production import ProductionUnknown, artifact_events, git
+
+GATE = "metrics/gate.json"
+MODEL_DIR = "models/optimized"
+MODEL_STAGE = "train@optimized"
+
+
+def _lock_entry(entries: list[dict[str, Any]], path: str) -> dict[str, Any] | None:
+    return next((e for e in entries or [] if e.get("path") == path), None)
+
+
+def verify(repo: Path, ref: str, artifact: str) -> tuple[bool, list[str]]:
+    """Whether the model at `ref` was blessed by a gate run on its commit (or overridden on record),
+    and the findings, one line each."""
+    commit = git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", check=False).stdout.strip()
+    if not commit:
+        raise ProductionUnknown(f"{ref!r} names no commit here (fetch the tags: `git fetch --tags`)")
+    findings = [f"{ref} is commit {commit[:12]}"]
+    overrides = [e for e in artifact_events(repo, artifact) if e.commit == commit and e.message.startswith("OVERRIDE by")]
+    raw = git(repo, "show", f"{commit}:{GATE}", check=False)
+    lock_text = git(repo, "show", f"{commit}:dvc.lock", check=False)
+    if raw.returncode != 0 or lock_text.returncode != 0:
+        return False, findings + [f"no {GATE} or dvc.lock committed there: no gate ran on this commit"]
+    verdict = json.loads(raw.stdout)
+    stages = (yaml.safe_load(lock_text.stdout) or {}).get("stages") or {}
+    gate, train = stages.get("gate") or {}, stages.get(MODEL_STAGE) or {}
+    ok = True
+    recorded = _lock_entry(gate.get("outs"), GATE)
+    actual = hashlib.md5(subprocess.run(["git", "-C", str(repo), "show", f"{commit}:{GATE}"], capture_output=True,
+                                        check=True).stdout).hexdigest()  # the bytes, as DVC hashed them
+    if recorded is None or recorded.get("md5") != actual:
+        ok = False
+        findings.append(f"{GATE} is not what the gate stage wrote (dvc.lock records md5 "
+                        f"{(recorded or {}).get('md5')}, the file has {actual})")
+    judged, built = _lock_entry(gate.get("deps"), MODEL_DIR), _lock_entry(train.get("outs"), MODEL_DIR)
+    if judged is None or built is None or judged.get("md5") != built.get("md5"):
+        ok = False
+        findings.append(f"the gate did not judge this commit's model ({MODEL_DIR}: the gate read "
+                        f"{(judged or {}).get('md5')}, {MODEL_STAGE} made {(built or {}).get('md5')})")
+    if verdict.get("blessed"):
+        findings.append("the gate blessed it: " + "; ".join(verdict.get("warnings", []) + verdict["reasons"][:1]))
+    elif overrides:
+        findings.append(f"the gate refused it, and {overrides[0].tag} records the override: "
+                        + overrides[0].message.split(". gate:")[0])
+    else:
+        ok = False
+        findings.append("the gate REFUSED it and no tag records an override: " + "; ".join(verdict["reasons"]))
+    return ok, findings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cnnpipe.release.verify", description=__doc__.split("\n")[0])
+    parser.add_argument("ref", help="a GTO tag (fashion-classifier#prod#3), a version tag or any git ref")
+    parser.add_argument("--repo", type=Path, default=Path("."))
+    parser.add_argument("--artifact", default=ReleaseConfig().artifact)
+    args = parser.parse_args(argv)
+    try:
+        ok, findings = verify(args.repo.resolve(), args.ref, args.artifact)
+    except ProductionUnknown as exc:
+        print(f"verify: {exc}", file=sys.stderr)
+        return 2
+    for line in findings:
+        print(f"verify: {line}", file=sys.stdout if ok else sys.stderr)
+    print(f"verify: {'OK' if ok else 'NOT BLESSED'}: {args.ref}", file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
