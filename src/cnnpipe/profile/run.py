@@ -118,7 +118,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     inference = inference_plan(per_image_s, share(TAIL_SHARE), INFERENCE_BATCH)
     inference_s = inference_times(base, inference.batch, inference.calls)
     export_img_s, export_batch = cpu_fp32_inference(base, share(TAIL_SHARE))
-    training_s = t.epochs * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
+    training_s = t.epoch_count * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
     block = block_steps(step_s, p.trial_steps)
     batches = smaller_batches(cfg) if with_trials else []
     rounds_for, smaller_s = smaller_rounds(batches, batch, share(SMALLER_SHARE), block,
