@@ -11,8 +11,9 @@ import yaml
 
 from cnnpipe.data.store import open_split
 from cnnpipe.params import load_params, resolve
+from cnnpipe.profile.run import profile_variant
 from cnnpipe.train import engine, pacing, trainer
-from cnnpipe.train.budget import apply_budget
+from cnnpipe.train.budget import apply_budget, fit_batch_to_split
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.ema import decay_for_run
 from cnnpipe.train.schedule import LrSchedule, early_stop
@@ -124,6 +125,23 @@ def test_early_stop_keeps_the_best_epoch_in_best_pt_and_says_why(tmp_path, prepa
     scores = iter([0.5] * 6)  # (a rerun's scores: it stops again after epoch 3)
     rerun = fit(cfg, prepared, tmp_path)
     assert rerun["resumed_from_epoch"] is None and "is a finished run" in capsys.readouterr().err
+
+
+def test_a_catalog_smaller_than_the_batch_is_profiled_at_the_batch_training_halves_to(tmp_path, prepared):
+    """212 photos and the optimized recipe's batch 256: no step fits an epoch, so training halves the
+    batch (train.min_steps); the profile measures the largest halving that fits instead of failing."""
+    cfg = auto_config(tmp_path, {}, batch_size=256, min_steps=300)
+    assert fit_batch_to_split(cfg, 212, 1).train.batch_size == 128
+    assert fit_batch_to_split(cfg, 212, 2).train.batch_size == 64  # 106 images per process
+    assert fit_batch_to_split(cfg, 100, 1).train.batch_size == 64  # none fits: the smallest, the loader says so
+    assert fit_batch_to_split(cfg, 54_000, 1) is cfg
+    assert fit_batch_to_split(cfg.with_train(images_per_epoch=200), 54_000, 1).train.batch_size == 128
+    fixed = cfg.with_train(min_steps=None)
+    assert fit_batch_to_split(fixed, 212, 1) is fixed  # no halving allowed: the params' batch, as before
+    n_train = len(open_split(prepared, "train"))
+    big = auto_config(tmp_path, {}, batch_size=1024, min_steps=300)
+    result = profile_variant(big, DistInfo(), prepared, tmp_path / "logs", False, time_box_s=20.0)
+    assert n_train < 1024 and result["recipe_batch_size"] == 512 <= n_train
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from cnnpipe.config import VariantConfig
+from cnnpipe.data.store import open_split
 from cnnpipe.files import write_json, write_text
 from cnnpipe.monitor import peak_mem_mb, process_seconds, reset_peak_memory
 from cnnpipe.profile.box import (
@@ -62,6 +63,7 @@ from cnnpipe.profile.trials import (
     smaller_batch_trials,
     smaller_batches,
 )
+from cnnpipe.train.budget import fit_batch_to_split
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.precision import math_mode
 from cnnpipe.train.tuning import auto_knobs, resolve_auto
@@ -87,6 +89,8 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     what the box has left (`box`): the base measurement (at a smaller batch when the recipe's is too
     slow for the box), the trace, the smaller batches' speeds, the inference timing and the trials.
     """
+    # A catalog smaller than the batch: measure the batch training will halve to (it cannot step at this one).
+    requested = fit_batch_to_split(requested, len(open_split(prepared_dir, "train")), info.world_size)
     cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
     p, t = cfg.profile, cfg.train
     box = box or TimeBox.from_process_start(time_box_s, process_seconds())
