@@ -7,13 +7,15 @@ predicted time against its measured one (the whole run's against the plan's `fit
 `plan.KEEP_BAND`). Data sets (`--sets`):
 
 - `photos212`: two classes of 320x240 scene photos (bench/own_images.py's look, each class its own
-  tint), 212 training, 48 validation and 400 test photos in train/ val/ test/ folders, 64 px;
-- `photos1000`: the same with four classes, 1,000 training photos (the weekly loop's size), 64 px;
+  tint), 212 training, 48 validation and 400 test photos in train/ val/ test/ folders, at `--size`
+  (64 px);
+- `photos1000`: the same with four classes, 1,000 training photos (the weekly loop's size);
 - `fmnist2k`: Fashion-MNIST from the Debian package, 2,000 training and 2,000 test images
   (`data.max_train_images`, `data.max_eval_images`), 32 px.
 
     python bench/epochs_auto.py                              # all three, 4-minute budget (~30 min)
     python bench/epochs_auto.py --sets photos212 --budget 6
+    python bench/epochs_auto.py --size 32 --threads 1 --budget 5  # a small run on a busy shared machine
     python bench/epochs_auto.py --arms auto 4 8              # a third arm: 8 fixed epochs
 
 Writes bench_out/epochs_auto.json; removes its projects and photos unless `--dir` is given.
@@ -73,7 +75,7 @@ def make_photo_set(out: Path, classes: int, per_split: dict[str, int], seed: int
                 scene(bases[c], rng, (i + c) % 2).save(folder / f"p{i:05d}.jpg", quality=90)
 
 
-def make_project(work: Path, name: str, arm: str, budget: float) -> Path:
+def make_project(work: Path, name: str, arm: str, args: argparse.Namespace) -> Path:
     """A git + DVC copy of the project set up for data set `name` and `train.epochs: arm`."""
     project = work / f"{name}-{arm}"
     shutil.rmtree(project, ignore_errors=True)
@@ -83,14 +85,15 @@ def make_project(work: Path, name: str, arm: str, budget: float) -> Path:
         (shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
          if src.is_dir() else shutil.copy2(src, dst))
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["run"]["budget_minutes"] = budget
+    params["run"]["budget_minutes"] = args.budget
     params["train"]["epochs"] = arm if arm == "auto" else int(arm)
+    params["train"]["threads"] = args.threads
     if name in PHOTO_SETS:
         photos = work / "photos" / name
         if not photos.exists():
             make_photo_set(photos, *PHOTO_SETS[name])
         shutil.copytree(photos, project / "data" / "raw" / "products")
-        params["data"].update(source="data/raw/products", stored_size=64, image_size=64)
+        params["data"].update(source="data/raw/products", stored_size=args.size, image_size=args.size)
     else:
         params["data"].update(max_train_images=2000, max_eval_images=2000)
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -120,9 +123,9 @@ def read_run(project: Path, wall_s: float) -> dict:
             right = {row["source"]: row["actual"] == row["predicted"] for row in csv.DictReader(fh)}
         out["variants"][variant] = {
             "top1": ev["top1"], "ci": [ev["top1_ci95_low"], ev["top1_ci95_high"]], "images": ev["images"],
-            "epochs": train["epochs"], "optimizer_steps": train["optimizer_steps"], "global_batch": train["global_batch"],
-            "train_time_s": train["train_time_s"], "best_val_top1": train["best_val_top1"],
-            "right": right}
+            "epochs": train["epochs"], "optimizer_steps": train["optimizer_steps"],
+            "global_batch": train["global_batch"], "train_time_s": train["train_time_s"],
+            "best_val_top1": train["best_val_top1"], "right": right}
     return out
 
 
@@ -141,6 +144,9 @@ def main() -> int:
     parser.add_argument("--arms", nargs="+", default=["auto", "4"], help="train.epochs values; the first is the "
                         "one the others are compared against")
     parser.add_argument("--budget", type=float, default=4.0, help="run.budget_minutes")
+    parser.add_argument("--size", type=int, default=64, help="stored and trained size of the photo sets (px)")
+    parser.add_argument("--threads", type=int, default=None, help="train.threads (default: one per usable core); "
+                        "1 keeps OpenMP from spinning against other processes on a shared machine")
     parser.add_argument("--dir", type=Path, default=None, help="work folder (default: a temporary one, removed)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
@@ -149,7 +155,7 @@ def main() -> int:
     try:
         for name in args.sets:
             for arm in args.arms:
-                project = make_project(work, name, arm, args.budget)
+                project = make_project(work, name, arm, args)
                 t0 = time.monotonic()
                 subprocess.run(["dvc", "repro", "compare"], cwd=project, check=True)
                 results.setdefault(name, {})[arm] = read_run(project, time.monotonic() - t0)
@@ -163,15 +169,16 @@ def main() -> int:
         for run in runs.values():
             for v in run["variants"].values():
                 v.pop("right")
-    (args.out / "epochs_auto.json").write_text(json.dumps({"cpu": cpu_report(), "budget_minutes": args.budget,
-                                                           "results": results}, indent=2))
+    conditions = {"cpu": cpu_report(), "budget_minutes": args.budget, "threads": args.threads, "size": args.size}
+    (args.out / "epochs_auto.json").write_text(json.dumps({**conditions, "results": results}, indent=2))
     return 0
 
 
 def report(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> None:
     """The comparison table, the paired tests and the plan's predictions against the measured times."""
     cpu = cpu_report()
-    print(f"\n{cpu['model']}, {cpu['usable_cores']} usable cores; budget {args.budget:g} min\n")
+    print(f"\n{cpu['model']}, {cpu['usable_cores']} usable cores, train.threads {args.threads}; budget "
+          f"{args.budget:g} min; photos at {args.size} px\n")
     print("| data | train.epochs | epochs (steps b/o) | baseline top-1 | optimized top-1 | predicted | measured | "
           "measured / predicted |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")

@@ -326,6 +326,11 @@ def test_auto_keeps_the_previous_count_while_it_still_fits():
     assert outside["epochs_auto"] == fresh["epochs_auto"]  # a count beyond train.max_epochs is not kept
 
 
+def test_a_catalog_smaller_than_a_batch_is_never_planned_more_images_than_it_has():
+    hopeless = make_plan(photo_recipes(), *SMALL, budget_minutes=1)
+    assert hopeless["epochs_auto"] == 4 and not hopeless["fits"] and hopeless["images_per_epoch"] == 212
+
+
 def test_auto_without_a_budget_and_beside_a_fixed_count():
     plan = make_plan(photo_recipes((4, 30)), *SMALL, budget_minutes=None)
     assert plan["epochs_auto"] == 30 and plan["fraction"] == 1.0 and "train.max_epochs (30)" in plan["reason"]

@@ -184,10 +184,11 @@ def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int, n_p
 
 
 def images_for(fraction: float, full: int, multiple: int) -> int:
-    """`fraction` of `full`, rounded down to whole global batches (at least one)."""
+    """`fraction` of `full`, rounded down to whole global batches (at least one, never more than `full`:
+    a catalog smaller than one batch trains whole, at the batch `train.min_steps` halves to)."""
     if fraction >= 1.0:
         return full
-    return max(multiple, int(fraction * full) // multiple * multiple)
+    return min(full, max(multiple, int(fraction * full) // multiple * multiple))
 
 
 def predict_total(recipes: Sequence[Recipe], fraction: float, full: int, n_val: int,
