@@ -338,7 +338,8 @@ def to_text(plan: dict[str, Any]) -> str:
             f"{v} {p}" for v, p in plan["early_stop"].items()) + "): a run that stops sooner takes less time, "
             "so the training times above are upper bounds.")
     if plan["fraction"] < 1.0:
-        lines.append(f"Without the budget the run would take ~{plan['predicted_total_unbudgeted_s'] / 60:.0f} min. "
+        whole = "Without the budget" if plan.get("epochs_auto") is None else "On the whole split per epoch"
+        lines.append(f"{whole} the run would take ~{plan['predicted_total_unbudgeted_s'] / 60:.0f} min. "
                      f"Under it, validation uses {plan['val_images']} images per epoch and the export check "
                      f"{plan['parity_images']} test images (fixed, class-balanced); test evaluation stays whole.")
     halved = [f"{r['variant']} {plan['batch'][r['variant']]} (train.batch_size {r['global_batch']})"
