@@ -11,7 +11,8 @@ predicted time against its measured one (the whole run's against the plan's `fit
   (64 px);
 - `photos1000`: the same with four classes, 1,000 training photos (the weekly loop's size);
 - `fmnist2k`: Fashion-MNIST from the Debian package, 2,000 training and 2,000 test images
-  (`data.max_train_images`, `data.max_eval_images`), 32 px.
+  (`data.max_train_images`, `data.max_eval_images`), 32 px; `fmnist500`: 500 training and 1,000
+  test images (not in the default list).
 
     python bench/epochs_auto.py                              # all three, 4-minute budget (~30 min)
     python bench/epochs_auto.py --sets photos212 --budget 6
@@ -47,6 +48,8 @@ PROJECT_FILES = ("dvc.yaml", "params.yaml", "stages", "src", ".dvcignore", "pypr
 PHOTO_SETS = {"photos212": (2, {"train": 106, "val": 24, "test": 200}),
               "photos1000": (4, {"train": 250, "val": 25, "test": 100})}
 """name: (classes, photos per class in each split folder)."""
+FMNIST_SETS = {"fmnist500": (500, 1000), "fmnist2k": (2000, 2000)}
+"""name: (data.max_train_images, data.max_eval_images) of Fashion-MNIST."""
 
 
 def scene(base: np.ndarray, rng: np.random.Generator, shape: int) -> Image.Image:
@@ -95,7 +98,8 @@ def make_project(work: Path, name: str, arm: str, args: argparse.Namespace) -> P
         shutil.copytree(photos, project / "data" / "raw" / "products")
         params["data"].update(source="data/raw/products", stored_size=args.size, image_size=args.size)
     else:
-        params["data"].update(max_train_images=2000, max_eval_images=2000)
+        train, evaluation = FMNIST_SETS[name]
+        params["data"].update(max_train_images=train, max_eval_images=evaluation)
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
     subprocess.run(["git", "init", "-q"], cwd=project, check=True)
@@ -140,7 +144,7 @@ def paired(a: dict[str, bool], b: dict[str, bool]) -> tuple[int, int, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sets", nargs="+", default=["photos212", "photos1000", "fmnist2k"],
-                        choices=[*PHOTO_SETS, "fmnist2k"])
+                        choices=[*PHOTO_SETS, *FMNIST_SETS])
     parser.add_argument("--arms", nargs="+", default=["auto", "4"], help="train.epochs values; the first is the "
                         "one the others are compared against")
     parser.add_argument("--budget", type=float, default=4.0, help="run.budget_minutes")
