@@ -314,8 +314,9 @@ class RunConfig:
 
     budget_minutes: float | None = 20.0
     """Wall-time budget for the whole pipeline. The plan stage predicts every stage's time from the
-    profile's measured speeds and, when the prediction exceeds this, lowers the training images per
-    epoch (the same for every variant) until it fits. null disables the budget."""
+    profile's measured speeds and fits it, the same for every variant: `train.epochs: auto` gets the
+    most epochs that fit, and when even `train.min_epochs` of the whole split do not, the training
+    images per epoch are lowered until they do. null disables the budget."""
 
     def __post_init__(self) -> None:
         if self.budget_minutes is not None and not 1.0 <= self.budget_minutes <= 100_000:
