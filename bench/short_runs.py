@@ -50,7 +50,7 @@ def main() -> None:
         runs = [("optimized", b) for b in args.batches] + ([] if args.no_baseline else [("baseline", None)])
         for variant, batch in runs:
             cfg = resolve(raw, variant)
-            cfg = cfg.with_train(images_per_epoch=images, min_steps=None,
+            cfg = cfg.with_train(epochs=cfg.train.epoch_count, images_per_epoch=images, min_steps=None,
                                  batch_size=batch or cfg.train.batch_size)
             work = args.out / "short_runs" / variant
             shutil.rmtree(work, ignore_errors=True)  # a fresh run, never a resume

@@ -102,7 +102,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for variant in args.variants:
         cfg = resolve(raw, variant)
-        count = epochs.get(variant, epochs.get("*", cfg.train.epochs))
+        count = epochs.get(variant, epochs.get("*", cfg.train.epoch_count))
         cfg = cfg.with_train(epochs=count, images_per_epoch=args.images_per_epoch)
         tuned = read_tuned(args.tuned / f"{variant}_tuned.yaml")
         work = args.out / "tta" / variant

@@ -1,4 +1,5 @@
-"""plan stage: predict every later stage's time from the profiles, and fit `run.budget_minutes`."""
+"""plan stage: predict every later stage's time from the profiles, and fit `run.budget_minutes` (the
+epochs of `train.epochs: auto`, and the images per epoch)."""
 
 import argparse
 import json
@@ -35,13 +36,13 @@ def main() -> int:
             recipes.append(recipe_from_profile(cfg, json.loads(path.read_text())))
         splits = read_index(Path(args.data))["splits"]
         requested = {c.train.images_per_epoch for c in cfgs}
-        previous = read_budget(out / "budget.yaml").get("fraction")
+        previous = read_budget(out / "budget.yaml")  # its choice is kept while it still fits (hysteresis)
+        plan = make_plan(recipes, splits["train"]["count"], splits["val"]["count"], splits["test"]["count"],
+                         budget.budget_minutes, requested_images=min((r for r in requested if r), default=None),
+                         previous=previous)
     except (ParamsError, FileNotFoundError, ValueError) as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return 2
-    plan = make_plan(recipes, splits["train"]["count"], splits["val"]["count"], splits["test"]["count"],
-                     budget.budget_minutes, requested_images=min((r for r in requested if r), default=None),
-                     previous=previous)
     plan["cpu"] = cpu_report()
     write_json(out / "plan.json", plan)
     text = to_text(plan)

@@ -151,6 +151,10 @@ def stages_changed(status: str) -> list[str]:
     ("label_smoothing", 0.05, {"train@baseline", "train@optimized"}),
     # the batch changes step speed: both profiles and the plan are stale too
     ("batch_size", 16, {"profile@baseline", "profile@optimized", "plan", "train@baseline", "train@optimized"}),
+    # epochs: auto's bounds reach training only through the plan's budget.yaml; early stop also the plan's text
+    ("max_epochs", 7, {"plan"}),
+    ("min_epochs", 3, {"profile@baseline", "profile@optimized", "plan"}),
+    ("patience", 3, {"plan", "train@baseline", "train@optimized"}),
 ])
 def test_only_what_a_key_changes_is_stale(project, key, value, stale):
     params_file = project / "params.yaml"

@@ -1,6 +1,8 @@
 """The time plan and budget (pure), the per-epoch subset it relies on, and the CPU report."""
 
 import os
+import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,10 +11,12 @@ from cnnpipe import hardware
 from cnnpipe.data.loaders import ShardSampler
 from cnnpipe.params import ParamsError, load_params, resolve, run_config
 from cnnpipe.plan.plan import (
+    KEEP_BAND,
     LADDER,
     PARITY_UNDER_BUDGET,
     VAL_UNDER_BUDGET,
     Recipe,
+    at_epochs,
     budget_values,
     make_plan,
     predict_total,
@@ -28,10 +32,11 @@ from conftest import ROOT, tiny_params, write_params
 N_TRAIN, N_VAL, N_TEST = 54_000, 6_000, 10_000
 
 
-def recipes(slowdown: float = 1.0) -> list[Recipe]:
-    """Baseline and optimized as the profile measured them here, `slowdown` times slower."""
-    return [Recipe("baseline", 4, 64, 300 / slowdown, 1400 / slowdown, 35 * slowdown),
-            Recipe("optimized", 4, 256, 445 / slowdown, 2500 / slowdown, 63 * slowdown)]
+def recipes(slowdown: float = 1.0, auto: tuple[int, int] | None = None) -> list[Recipe]:
+    """Baseline and optimized as the profile measured them here, `slowdown` times slower; `auto`:
+    (train.min_epochs, train.max_epochs) of `train.epochs: auto` (None: 4 epochs)."""
+    return [Recipe("baseline", 4, 64, 300 / slowdown, 1400 / slowdown, 35 * slowdown, auto_epochs=auto),
+            Recipe("optimized", 4, 256, 445 / slowdown, 2500 / slowdown, 63 * slowdown, auto_epochs=auto)]
 
 
 def test_a_run_that_fits_keeps_the_whole_split():
@@ -88,11 +93,12 @@ def test_hysteresis_keeps_the_previous_choice_near_a_boundary():
     budget_minutes = total[small] / 0.8 / 60
     fresh = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes)
     assert fresh["fraction"] > small  # without a previous run, the larger step that fits
-    kept = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes, previous=small)
+    kept = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes, previous={"fraction": small})
     assert kept["fraction"] == small and kept["reason"].startswith("kept the previous fraction")
     tiny = LADDER[-1]
     assert total[tiny] < 0.75 * budget_minutes * 60  # below the band: a fresh choice
-    assert make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes, previous=tiny)["fraction"] == fresh["fraction"]
+    again = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes, previous={"fraction": tiny})
+    assert again["fraction"] == fresh["fraction"]
 
 
 def test_no_budget_and_hopeless_budgets_are_said_plainly():
@@ -242,3 +248,143 @@ def test_the_plan_trains_at_the_speed_the_trials_measured_throughout_the_profile
                "trials": [{"before_img_s": v} for v in (269.0, 300.0, 278.0, 236.0, 257.0, 0.0)],
                "combined_trial": None, "smaller_batches": [{"before_img_s": 248.0}, {"before_img_s": 246.0}]}
     assert recipe_from_profile(cfg, profile).train_img_s == pytest.approx(257.0)
+
+
+# --------------------------------------------------------------------------- train.epochs: auto
+def photo_recipes(auto: tuple[int, int] = (4, 100), patience: int | None = None) -> list[Recipe]:
+    """Both recipes on 64 px photos on a slow 2-core CPU: ~3x slower per image than at 32 px (the
+    ResNet-50 speeds bench/throughput.py measured at 64 px, taken lower), profiles of 1-2 minutes."""
+    return [Recipe("baseline", 4, 64, 80.0, 400.0, 70.0, batch_size=64, auto_epochs=auto, patience=patience),
+            Recipe("optimized", 4, 256, 120.0, 600.0, 90.0, batch_size=256, min_steps=300,
+                   smaller_batch_speed={128: 0.9, 64: 0.8}, auto_epochs=auto, patience=patience)]
+
+
+SMALL = (212, 24, 32)  # a two-class photo set: training, validation and test images
+
+
+@pytest.mark.parametrize("ceiling", [100, 1000])
+def test_auto_gives_a_small_catalog_its_budget_s_worth_of_epochs(ceiling):
+    """212 training photos and 20 minutes: 4 epochs would train for seconds. `auto` trains the most
+    epochs whose whole run is predicted within the budget (or the ceiling), both recipes alike."""
+    plan = make_plan(photo_recipes((4, ceiling)), *SMALL, budget_minutes=20)
+    epochs = plan["epochs_auto"]
+    assert epochs > 4 and plan["epochs"] == {"baseline": epochs, "optimized": epochs}
+    assert plan["fraction"] == 1.0 and plan["images_per_epoch"] == 212 and plan["fits"]
+    assert plan["predicted_total_s"] <= 20 * 60
+    four = make_plan([replace(r, auto_epochs=None) for r in photo_recipes()], *SMALL, budget_minutes=20)
+    assert four["epochs"] == {"baseline": 4, "optimized": 4} and four["predicted_total_s"] < 5 * 60
+    assert plan["predicted_s"]["train@optimized"] > 10 * four["predicted_s"]["train@optimized"]
+    if epochs < ceiling:  # the budget binds: one more epoch would not fit
+        assert predict_total(at_epochs(photo_recipes((4, ceiling)), epochs + 1), 1.0, *SMALL)[2] > 20 * 60
+        assert "the most epochs of the whole split that fit the budget" in plan["reason"]
+    else:
+        assert ceiling == 100 and "train.max_epochs (100)" in plan["reason"]
+    # The batch follows the run's length: 212 images are one step at batch 128 (three at 64), so 128
+    # would need 300 epochs for train.min_steps; the plan predicts each count at its own batch.
+    assert plan["batch"] == {"baseline": 64, "optimized": 64}
+    assert budget_values(plan)["epochs"] == epochs
+    assert f"Epochs: **{epochs}** (train.epochs: auto, 4 to {ceiling})" in to_text(plan)
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 2.0, 4.0])
+def test_auto_on_the_default_split_trains_the_floor_and_shrinks_images_as_before(slowdown):
+    """Fashion-MNIST's 54,000 images on 2 cores: even the floor (4 epochs) of the whole split is over
+    20 minutes, so `auto` trains 4 epochs on the same share of the split a fixed 4 gets."""
+    fixed = make_plan(recipes(slowdown), N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
+    auto = make_plan(recipes(slowdown, auto=(4, 100)), N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
+    assert auto["epochs_auto"] == 4 and auto["epochs"] == {"baseline": 4, "optimized": 4}
+    for key in ("fraction", "images_per_epoch", "predicted_total_s", "batch", "val_images", "parity_images"):
+        assert auto[key] == fixed[key], key
+    assert auto["fraction"] < 1.0 and auto["reason"].startswith("train.min_epochs (4), the floor of `auto`")
+    assert budget_values(auto) == {**budget_values(fixed), "epochs": 4}
+
+
+def test_auto_on_the_zen3_profile_picks_the_floor_and_the_same_fraction():
+    """The slowest measured machine (test_the_zen3_profile_fits_the_default_budget) under `auto`."""
+    zen3 = [Recipe("baseline", 4, 64, 66.6, 270.5, 161.5, batch_size=64, auto_epochs=(4, 100)),
+            Recipe("optimized", 4, 256, 125.3, 506.7, 346.1, batch_size=256, min_steps=300,
+                   smaller_batch_speed={128: 0.877, 64: 0.817}, auto_epochs=(4, 100))]
+    plan = make_plan(zen3, N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
+    assert plan["epochs_auto"] == 4 and plan["fraction"] == 3 / 32 and plan["images_per_epoch"] == 4864
+    assert plan["fits"] and plan["batch"] == {"baseline": 64, "optimized": 64}
+
+
+def test_auto_keeps_the_previous_count_while_it_still_fits():
+    """Speeds drift ~10%: a re-measured plan keeps last run's epochs (and so its unfinished run's
+    resume) while their prediction stays within 75%..110% of the budget; outside it, a fresh choice."""
+    first = make_plan(photo_recipes((4, 1000)), *SMALL, budget_minutes=20)
+    slower = [replace(r, train_img_s=r.train_img_s * 0.93) for r in photo_recipes((4, 1000))]
+    fresh = make_plan(slower, *SMALL, budget_minutes=20)
+    assert fresh["epochs_auto"] < first["epochs_auto"]  # without the previous choice: fewer epochs fit
+    kept = make_plan(slower, *SMALL, budget_minutes=20, previous=budget_values(first))
+    assert kept["epochs_auto"] == first["epochs_auto"] and kept["reason"].startswith("kept the previous choice")
+    assert 20 * 60 < kept["predicted_total_s"] <= KEEP_BAND[1] * 20 * 60 and kept["fits"]
+    much_slower = [replace(r, train_img_s=r.train_img_s * 0.7) for r in photo_recipes((4, 1000))]
+    dropped = make_plan(much_slower, *SMALL, budget_minutes=20, previous=budget_values(first))
+    assert dropped["epochs_auto"] < first["epochs_auto"] and dropped["predicted_total_s"] <= 20 * 60
+    outside = make_plan(slower, *SMALL, budget_minutes=20, previous={**budget_values(first), "epochs": 2000})
+    assert outside["epochs_auto"] == fresh["epochs_auto"]  # a count beyond train.max_epochs is not kept
+
+
+def test_a_catalog_smaller_than_a_batch_is_never_planned_more_images_than_it_has():
+    hopeless = make_plan(photo_recipes(), *SMALL, budget_minutes=1)
+    assert hopeless["epochs_auto"] == 4 and not hopeless["fits"] and hopeless["images_per_epoch"] == 212
+
+
+def test_auto_without_a_budget_and_beside_a_fixed_count():
+    plan = make_plan(photo_recipes((4, 30)), *SMALL, budget_minutes=None)
+    assert plan["epochs_auto"] == 30 and plan["fraction"] == 1.0 and "train.max_epochs (30)" in plan["reason"]
+    # A variant with a number keeps it; the `auto` ones share one count, fitted around it.
+    mixed = [replace(photo_recipes()[0], epochs=8, auto_epochs=None), photo_recipes((4, 1000))[1]]
+    plan = make_plan(mixed, *SMALL, budget_minutes=20)
+    assert plan["epochs"]["baseline"] == 8 and plan["epochs"]["optimized"] == plan["epochs_auto"] > 8
+    assert "baseline 8 (train.epochs)" in to_text(plan)
+    with pytest.raises(ValueError, match="train.min_epochs and train.max_epochs"):
+        make_plan([replace(photo_recipes()[0], auto_epochs=(10, 20)), photo_recipes((4, 8))[1]], *SMALL, 20)
+    fixed = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
+    assert "epochs" not in budget_values(fixed) and fixed["epochs_auto"] is None  # budget.yaml as before
+    assert "Epochs: 4 (train.epochs)." in to_text(fixed)
+
+
+def test_with_early_stop_the_prediction_is_an_upper_bound():
+    plan = make_plan(photo_recipes(patience=5), *SMALL, budget_minutes=20)
+    assert plan["upper_bound"] and plan["early_stop"] == {"baseline": 5, "optimized": 5}
+    text = to_text(plan)
+    assert "(at most: early stop)" in text and "upper bounds" in text and "optimized 5" in text
+    assert not make_plan(photo_recipes(), *SMALL, budget_minutes=20)["upper_bound"]
+
+
+def test_the_budget_sets_the_epochs_of_auto_only(tmp_path):
+    params = tiny_params(epochs="auto", min_epochs=2, max_epochs=50, patience=3)
+    cfg = resolve(load_params(write_params(tmp_path / "p.yaml", params)), "optimized")
+    assert cfg.train.epochs == "auto" and cfg.train.epoch_count == 2 and cfg.train.patience == 3
+    assert apply_budget(cfg, {"epochs": 17, "fraction": 1.0}).train.epochs == 17
+    assert apply_budget(cfg, {"fraction": 1.0}).train.epochs == "auto"  # fit then trains the floor
+    fixed = cfg.with_train(epochs=6)
+    assert apply_budget(fixed, {"epochs": 17}).train.epochs == 6  # a number in the params is kept
+    with pytest.raises(ValueError, match="budget.yaml: `epochs`"):
+        apply_budget(cfg, {"epochs": "many"})
+    recipe = recipe_from_profile(cfg, {"throughput_img_s": 400.0, "inference_img_s": 900.0})
+    assert recipe.epochs == 2 and recipe.auto_epochs == (2, 50) and recipe.patience == 3
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("epochs", 0, "an integer >= 1 or `auto`"),
+    ("epochs", "some", "an integer or auto"),
+    ("max_epochs", 3, "`train.max_epochs` = 3 is invalid; allowed: an integer >= train.min_epochs (4)"),
+    ("min_epochs", 0, "`train.min_epochs` = 0"),
+    ("patience", 0, "`train.patience` = 0"),
+])
+def test_epoch_params_are_validated(tmp_path, key, value, fragment):
+    params = tiny_params()
+    params["train"].update({"min_epochs": 4, key: value})
+    with pytest.raises(ParamsError, match=re.escape(fragment)):
+        load_params(write_params(tmp_path / "p.yaml", params))
+
+
+def test_the_shipped_params_train_auto_epochs_with_a_floor_of_four():
+    """The default run trains the floor on Fashion-MNIST (test_auto_on_the_default_split_...), own
+    photos and the weekly loop get the epochs their budget holds."""
+    for variant in ("baseline", "optimized"):
+        t = resolve(load_params(ROOT / "params.yaml"), variant).train
+        assert (t.epochs, t.min_epochs, t.patience) == ("auto", 4, None)

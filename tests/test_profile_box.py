@@ -194,7 +194,8 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
              "inference_times": lambda s, batch, calls: [0.004 * batch] * calls,
              "cpu_fp32_inference": lambda s, share: (100.0, 64), "process_seconds": lambda: 0.0,
              "run_trials": trials, "smaller_batch_trials": smaller,
-             "confirm_winners": lambda ctx, results, tuned: (tuned, None), "recommended_together": lambda *a: None}
+             "confirm_winners": lambda ctx, results, tuned: (tuned, None), "recommended_together": lambda *a: None,
+             "open_split": lambda prepared, split: range(600)}  # a training split of 600 images
     for name, fake in fakes.items():
         monkeypatch.setattr(run, name, fake)
     monkeypatch.setattr(run, "time", SimpleNamespace(perf_counter=lambda: now[0]))

@@ -111,7 +111,21 @@ class ModelConfig:
 class TrainConfig:
     """`train:` section; `variants.<name>.train` overrides it per recipe."""
 
-    epochs: int = 4
+    epochs: int | Literal["auto"] = "auto"
+    """Training epochs (each draws `images_per_epoch` images). `auto`: as many as
+    `run.budget_minutes` holds after every other stage's predicted time, the same for every variant
+    that asks for `auto`, between `min_epochs` and `max_epochs` (the plan chooses: metrics/plan/
+    budget.yaml); with no budget, `max_epochs`."""
+    min_epochs: int = 4
+    """The fewest epochs `auto` trains: when even these do not fit the budget on the whole split, the
+    plan draws fewer images per epoch instead. Also what `auto` trains without the plan's choice (the
+    profile sizes its trials by it). Ignored when `epochs` is a number."""
+    max_epochs: int = 100
+    """The most epochs `auto` trains, however much budget is left (and with no budget). Ignored when
+    `epochs` is a number."""
+    patience: int | None = None
+    """Early stop: end training once validation top-1 has not improved for this many epochs (best.pt
+    keeps the best epoch's weights; train.json says when and why it stopped); null = train every epoch."""
     batch_size: int = 256
     """Per-process batch size."""
     lr: float = 0.2
@@ -188,13 +202,19 @@ class TrainConfig:
     do, down to 64, with the LR scaled along; null = keep `batch_size` whatever the run's length."""
 
     def __post_init__(self) -> None:
-        ints = {"epochs": 1, "batch_size": 1, "nproc": 1, "accum_steps": 1}
+        ints = {"batch_size": 1, "nproc": 1, "accum_steps": 1, "min_epochs": 1}
         if self.checkpoint_every != "auto" and (not isinstance(self.checkpoint_every, int)
                                                 or self.checkpoint_every < 1):
             reject("train.checkpoint_every", self.checkpoint_every, "`auto` or an integer >= 1")
         for key, low in ints.items():
             if getattr(self, key) < low:
                 reject(f"train.{key}", getattr(self, key), f"an integer >= {low}")
+        if self.epochs != "auto" and self.epochs < 1:
+            reject("train.epochs", self.epochs, "an integer >= 1 or `auto`")
+        if self.max_epochs < self.min_epochs:
+            reject("train.max_epochs", self.max_epochs, f"an integer >= train.min_epochs ({self.min_epochs})")
+        if self.patience is not None and self.patience < 1:
+            reject("train.patience", self.patience, "null (no early stop) or an integer >= 1")
         if self.num_workers != "auto" and self.num_workers < 0:
             reject("train.num_workers", self.num_workers, "an integer >= 0")
         if not 0.0 < self.lr <= 10.0:
@@ -239,6 +259,13 @@ class TrainConfig:
             reject("train.val_images", self.val_images, "null (all) or an integer >= 10")
         if self.min_steps is not None and self.min_steps < 1:
             reject("train.min_steps", self.min_steps, "null (keep train.batch_size) or an integer >= 1")
+
+    @property
+    def epoch_count(self) -> int:
+        """The epochs a run trains: `epochs`, or for `auto` the floor `min_epochs` until the plan's
+        choice replaces it (`cnnpipe.train.budget.apply_budget`): what the profile sizes its trials
+        and its compile decision by, the fewest steps the run can take."""
+        return self.min_epochs if self.epochs == "auto" else self.epochs
 
 
 LAUNCH_ONLY = ("node_rank", "rdzv_endpoint", "max_restarts", "join_timeout_s")
@@ -287,8 +314,9 @@ class RunConfig:
 
     budget_minutes: float | None = 20.0
     """Wall-time budget for the whole pipeline. The plan stage predicts every stage's time from the
-    profile's measured speeds and, when the prediction exceeds this, lowers the training images per
-    epoch (the same for every variant) until it fits. null disables the budget."""
+    profile's measured speeds and fits it, the same for every variant: `train.epochs: auto` gets the
+    most epochs that fit, and when even `train.min_epochs` of the whole split do not, the training
+    images per epoch are lowered until they do. null disables the budget."""
 
     def __post_init__(self) -> None:
         if self.budget_minutes is not None and not 1.0 <= self.budget_minutes <= 100_000:

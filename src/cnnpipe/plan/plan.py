@@ -1,9 +1,14 @@
 """The time plan: predict every later stage's wall time from measured speeds, and fit a budget.
 
 The profile stages measure each recipe's training speed on this machine. From those speeds and the
-data set's size the plan predicts how long training, evaluation and export will take. When the
-whole `dvc repro` would exceed `run.budget_minutes`, it lowers the training images per epoch, by one
-rule for every variant, so the baseline/optimized comparison stays fair:
+data set's size the plan predicts how long training, evaluation and export will take, and fits
+`run.budget_minutes` by one rule for every variant, so the baseline/optimized comparison stays fair.
+
+With `train.epochs: auto` it first fits epochs: the most (up to `train.max_epochs`) whose whole run,
+on the whole training split, is predicted within the budget, one count for every variant that asks
+for `auto`. A small catalog gets its budget's worth of training instead of four epochs of seconds.
+When even `train.min_epochs` (the floor) of the whole split does not fit, the run trains the floor
+and the images per epoch shrink, as with a fixed count:
 
 - the fraction of the training split drawn per epoch comes from a fixed ladder (1, 3/4, 1/2, 3/8,
   ...): the largest step whose predicted total fits the budget;
@@ -12,9 +17,10 @@ rule for every variant, so the baseline/optimized comparison stays fair:
 - the other per-run costs shrink with it: validation runs on a fixed class-balanced subset
   (`VAL_UNDER_BUDGET`) and the export parity check on one of the test split (`PARITY_UNDER_BUDGET`);
   test evaluation always covers the whole test split;
-- hysteresis: the previous run's fraction is kept while its prediction stays within 75%..110% of
-  the budget. Speed measurements drift by ~10% on shared machines; without this a run near a
-  ladder step would flip between two recipes from one `dvc repro` to the next.
+- hysteresis: the previous run's choice (fraction, and epochs under `auto`) is kept while its
+  prediction stays within 75%..110% of the budget. Speed measurements drift by ~10% on shared
+  machines; without this a run near a ladder step (or an epoch) would flip between two recipes
+  from one `dvc repro` to the next, and an unfinished `auto` run would lose its resume.
 
 Everything here is pure: numbers in, numbers out. `budget.py` applies the choice to training.
 """
@@ -22,7 +28,7 @@ Everything here is pure: numbers in, numbers out. `budget.py` applies the choice
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Sequence
 
@@ -103,6 +109,11 @@ class Recipe:
     0: not measured (older profiles), `STARTUP_S` applies."""
     export_img_s: float | None = None
     """fp32 images/s on the CPU, where export checks its files (profile); None: older profiles."""
+    auto_epochs: tuple[int, int] | None = None
+    """(train.min_epochs, train.max_epochs) when train.epochs is `auto`: the plan sets `epochs` in
+    that range; None: `epochs` is the params' count."""
+    patience: int | None = None
+    """train.patience: with early stop the predicted training time is an upper bound."""
 
     def batch_for(self, images_per_epoch: int) -> int:
         """The per-process batch training will use when each epoch draws `images_per_epoch` images
@@ -139,10 +150,11 @@ def recipe_from_profile(cfg: VariantConfig, profile: dict[str, Any]) -> Recipe:
                for e in profile.get("smaller_batches", []) if e.get("speed_vs_tuned")}
     amp = profile.get("tuned", {}).get("amp", profile.get("amp", "off"))
     scale, scaling = world_scaling(profile.get("device", "cpu"), t.nproc, t.nnodes)
-    return Recipe(cfg.variant, t.epochs, t.batch_size * world * t.accum_steps, train_img_s, eval_img_s,
+    return Recipe(cfg.variant, t.epoch_count, t.batch_size * world * t.accum_steps, train_img_s, eval_img_s,
                   float(profile.get("stage_time_s", 0.0)), t.batch_size, world, t.accum_steps, t.min_steps, smaller,
                   t.val_images, amp, scale, scaling, startup_s=float(profile.get("startup_s") or 0.0),
-                  export_img_s=profile.get("export_img_s"))
+                  export_img_s=profile.get("export_img_s"),
+                  auto_epochs=(t.min_epochs, t.max_epochs) if t.epochs == "auto" else None, patience=t.patience)
 
 
 def checked_images(fraction: float, n_val: int, n_test: int, val_images: int | None) -> tuple[int, int]:
@@ -172,10 +184,11 @@ def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int, n_p
 
 
 def images_for(fraction: float, full: int, multiple: int) -> int:
-    """`fraction` of `full`, rounded down to whole global batches (at least one)."""
+    """`fraction` of `full`, rounded down to whole global batches (at least one, never more than `full`:
+    a catalog smaller than one batch trains whole, at the batch `train.min_steps` halves to)."""
     if fraction >= 1.0:
         return full
-    return max(multiple, int(fraction * full) // multiple * multiple)
+    return min(full, max(multiple, int(fraction * full) // multiple * multiple))
 
 
 def predict_total(recipes: Sequence[Recipe], fraction: float, full: int, n_val: int,
@@ -204,8 +217,8 @@ def choose_fraction(recipes: Sequence[Recipe], full: int, n_val: int, n_test: in
     fitting = [f for f in LADDER if totals[f] <= budget_s]
     if not fitting:
         return LADDER[-1], (f"even {LADDER[-1]:.4g} of the images per epoch is predicted at "
-                            f"{totals[LADDER[-1]] / 60:.1f} min: OVER budget; lower train.epochs or raise "
-                            "run.budget_minutes")
+                            f"{totals[LADDER[-1]] / 60:.1f} min: OVER budget; lower train.epochs (under auto: "
+                            "train.min_epochs) or raise run.budget_minutes")
     chosen = fitting[0]
     if chosen == 1.0:
         return 1.0, "the whole training split fits the budget"
@@ -213,16 +226,75 @@ def choose_fraction(recipes: Sequence[Recipe], full: int, n_val: int, n_test: in
                     f"is the largest ladder step that fits")
 
 
+def epoch_range(recipes: Sequence[Recipe]) -> tuple[int, int] | None:
+    """(fewest, most) epochs the plan may give the variants with `train.epochs: auto`; None: none asks."""
+    spans = [r.auto_epochs for r in recipes if r.auto_epochs]
+    if not spans:
+        return None
+    low, high = max(s[0] for s in spans), min(s[1] for s in spans)
+    if high < low:
+        raise ValueError(f"the variants' train.min_epochs and train.max_epochs leave no count they all allow "
+                         f"({low} > {high}): the plan gives every `auto` variant the same epochs")
+    return low, high
+
+
+def at_epochs(recipes: Sequence[Recipe], epochs: int) -> list[Recipe]:
+    """`recipes` with those whose train.epochs is `auto` at `epochs`."""
+    return [replace(r, epochs=epochs) if r.auto_epochs else r for r in recipes]
+
+
+def choose(recipes: Sequence[Recipe], full: int, n_val: int, n_test: int, budget_s: float | None,
+           previous: dict[str, Any] | None = None) -> tuple[int | None, float, str]:
+    """(epochs of the `auto` variants, None when none asks; the ladder fraction; why) for this budget.
+
+    `previous` is the last run's budget.yaml: its choice is kept while its prediction stays in
+    `KEEP_BAND`, so that speed drift neither flips the recipe nor restarts an unfinished run.
+    """
+    previous = previous or {}
+    prev_fraction, prev_epochs = previous.get("fraction"), previous.get("epochs")
+    span = epoch_range(recipes)
+    if span is None:
+        return None, *choose_fraction(recipes, full, n_val, n_test, budget_s, prev_fraction)
+    low, high = span
+    if budget_s is None:
+        return high, 1.0, f"no budget (run.budget_minutes: null): train.max_epochs ({high}) of the whole split"
+
+    def total(epochs: int, fraction: float) -> float:
+        return predict_total(at_epochs(recipes, epochs), fraction, full, n_val, n_test)[2]
+
+    if isinstance(prev_epochs, int) and low <= prev_epochs <= high and prev_fraction in LADDER:
+        kept = total(prev_epochs, prev_fraction)
+        if KEEP_BAND[0] * budget_s <= kept <= KEEP_BAND[1] * budget_s:
+            return prev_epochs, prev_fraction, (
+                f"kept the previous choice ({prev_epochs} epochs of {_frac(prev_fraction)} of the split): its "
+                f"prediction ({kept / 60:.1f} min) is within {KEEP_BAND[0]:.0%}..{KEEP_BAND[1]:.0%} of the budget")
+    # Scanned down from the ceiling, not bisected: more epochs can mean more steps and so a larger,
+    # faster batch (train.min_steps), so the total does not always grow with the count.
+    for epochs in range(high, low - 1, -1):
+        if (fitted := total(epochs, 1.0)) <= budget_s:
+            if epochs == high:
+                return epochs, 1.0, (f"train.max_epochs ({high}) of the whole split fit the budget "
+                                     f"({fitted / 60:.1f} min predicted)")
+            return epochs, 1.0, (f"the most epochs of the whole split that fit the budget ({fitted / 60:.2f} min "
+                                 f"predicted; {epochs + 1} epochs: {total(epochs + 1, 1.0) / 60:.2f} min)")
+    keep = prev_fraction if prev_epochs in (None, low) else None  # a fraction chosen at this same count
+    fraction, reason = choose_fraction(at_epochs(recipes, low), full, n_val, n_test, budget_s, keep)
+    return low, fraction, f"train.min_epochs ({low}), the floor of `auto`: {reason}"
+
+
 def _frac(f: float) -> str:
     return str(Fraction(f).limit_denominator(64))
 
 
 def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, budget_minutes: float | None,
-              requested_images: int | None = None, previous: float | None = None) -> dict[str, Any]:
-    """The plan: per-stage predictions, the chosen images per epoch, and the reasons."""
+              requested_images: int | None = None, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The plan: per-stage predictions, the chosen epochs and images per epoch, and the reasons.
+
+    `previous`: the last run's budget.yaml (`budget_values`), for the hysteresis."""
     full = n_train if requested_images is None else min(n_train, requested_images)
     budget_s = None if budget_minutes is None else budget_minutes * 60.0
-    fraction, reason = choose_fraction(recipes, full, n_val, n_test, budget_s, previous)
+    epochs, fraction, reason = choose(recipes, full, n_val, n_test, budget_s, previous)
+    recipes = recipes if epochs is None else at_epochs(recipes, epochs)
     images, stages, total = predict_total(recipes, fraction, full, n_val, n_test)
     _, _, unbudgeted = predict_total(recipes, 1.0, full, n_val, n_test)
     val_cap, parity_cap = checked_images(fraction, n_val, n_test, None) if fraction < 1.0 else (None, None)
@@ -238,6 +310,11 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
         "predicted_total_s": total,
         "predicted_total_unbudgeted_s": unbudgeted,
         "batch": {r.variant: r.batch_for(images) * r.world_size * r.accum_steps for r in recipes},
+        "epochs": {r.variant: r.epochs for r in recipes},
+        "epochs_auto": epochs,
+        "epochs_range": epoch_range(recipes),
+        "early_stop": {r.variant: r.patience for r in recipes if r.patience},
+        "upper_bound": any(r.patience for r in recipes),
         "fits": budget_s is None or total <= budget_s * KEEP_BAND[1],
         "reason": reason,
         "recipes": [asdict(r) for r in recipes],
@@ -252,11 +329,17 @@ def to_text(plan: dict[str, Any]) -> str:
     for name, seconds in {**plan["profile_s"], **plan["predicted_s"]}.items():
         kind = " (measured)" if name.startswith("profile@") else ""
         lines.append(f"| {name} | {seconds / 60:.1f} min{kind} |")
-    lines += [f"| **whole run** | **{plan['predicted_total_s'] / 60:.1f} min** |", "",
-              f"Training images per epoch: **{plan['images_per_epoch']}** of {plan['train_images']} "
-              f"(fraction {_frac(plan['fraction'])}): {plan['reason']}."]
+    bound = " (at most: early stop)" if plan.get("upper_bound") else ""
+    lines += [f"| **whole run** | **{plan['predicted_total_s'] / 60:.1f} min**{bound} |", "",
+              epochs_line(plan) + f" Training images per epoch: **{plan['images_per_epoch']}** of "
+              f"{plan['train_images']} (fraction {_frac(plan['fraction'])}): {plan['reason']}."]
+    if plan.get("upper_bound"):
+        lines.append("Early stop is on (train.patience: " + ", ".join(
+            f"{v} {p}" for v, p in plan["early_stop"].items()) + "): a run that stops sooner takes less time, "
+            "so the training times above are upper bounds.")
     if plan["fraction"] < 1.0:
-        lines.append(f"Without the budget the run would take ~{plan['predicted_total_unbudgeted_s'] / 60:.0f} min. "
+        whole = "Without the budget" if plan.get("epochs_auto") is None else "On the whole split per epoch"
+        lines.append(f"{whole} the run would take ~{plan['predicted_total_unbudgeted_s'] / 60:.0f} min. "
                      f"Under it, validation uses {plan['val_images']} images per epoch and the export check "
                      f"{plan['parity_images']} test images (fixed, class-balanced); test evaluation stays whole.")
     halved = [f"{r['variant']} {plan['batch'][r['variant']]} (train.batch_size {r['global_batch']})"
@@ -277,9 +360,25 @@ def to_text(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def epochs_line(plan: dict[str, Any]) -> str:
+    """"Epochs: ..." for the plan's text: the chosen count of the `auto` variants, the others' own."""
+    epochs, auto = plan.get("epochs", {}), plan.get("epochs_auto")
+    if auto is None:
+        counts = set(epochs.values())
+        return (f"Epochs: {counts.pop()} (train.epochs)." if len(counts) == 1 else
+                "Epochs (train.epochs): " + ", ".join(f"{v} {n}" for v, n in epochs.items()) + ".")
+    low, high = plan["epochs_range"]
+    fixed = [f"{v} {n} (train.epochs)" for v, n in epochs.items() if n != auto]
+    return (f"Epochs: **{auto}** (train.epochs: auto, {low} to {high})" + (f"; {', '.join(fixed)}" if fixed else "")
+            + ".")
+
+
 def budget_values(plan: dict[str, Any]) -> dict[str, Any]:
     """What training depends on: only the chosen values, so a re-measured plan that chooses the same
-    recipe retrains nothing."""
+    recipe retrains nothing. `epochs` only when a variant asks for `auto`."""
     whole = plan["fraction"] >= 1.0
-    return {"fraction": plan["fraction"], "images_per_epoch": None if whole else plan["images_per_epoch"],
-            "val_images": plan.get("val_images"), "parity_images": plan.get("parity_images")}
+    values = {"fraction": plan["fraction"], "images_per_epoch": None if whole else plan["images_per_epoch"],
+              "val_images": plan.get("val_images"), "parity_images": plan.get("parity_images")}
+    if plan.get("epochs_auto") is not None:
+        values["epochs"] = plan["epochs_auto"]
+    return values

@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from cnnpipe.config import VariantConfig
+from cnnpipe.data.store import open_split
 from cnnpipe.files import write_json, write_text
 from cnnpipe.monitor import peak_mem_mb, process_seconds, reset_peak_memory
 from cnnpipe.profile.box import PROBE_IMAGES, TAIL_SHARE, BoxPlan, TimeBox
@@ -42,6 +43,7 @@ from cnnpipe.profile.trials import (
     smaller_batch_trials,
     smaller_batches,
 )
+from cnnpipe.train.budget import fit_batch_to_split
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.precision import math_mode
 from cnnpipe.train.tuning import auto_knobs, resolve_auto
@@ -67,6 +69,8 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     what the box has left (`box`): the base measurement (at a smaller batch when the recipe's is too
     slow for the box), the trace, the smaller batches' speeds, the inference timing and the trials.
     """
+    # A catalog smaller than the batch: measure the batch training will halve to (it cannot step at this one).
+    requested = fit_batch_to_split(requested, len(open_split(prepared_dir, "train")), info.world_size)
     cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
     t = cfg.train
     box = box or TimeBox.from_process_start(time_box_s, process_seconds())
@@ -93,7 +97,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     inference = plan.inference(per_image_s, INFERENCE_BATCH)
     inference_s = inference_times(base, inference.batch, inference.calls)
     export_img_s, export_batch = cpu_fp32_inference(base, plan.share(TAIL_SHARE))
-    training_s = t.epochs * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
+    training_s = t.epoch_count * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
     batches = smaller_batches(cfg) if with_trials else []
     trials = plan.trials(step_s, per_image_s, batches, training_s, inference.batch)
     ctx = TrialContext(measured, requested, info, prepared_dir, base, trials.clock)

@@ -296,7 +296,7 @@ def compile_trial(ctx: TrialContext, change: dict[str, Any] | None = None) -> Tr
     step_eager = current.images_per_step / trial.before_img_s
     step_compiled = candidate.images_per_step / trial.after_img_s
     compile_s = max(0.0, first_step_s - step_compiled)
-    total_steps = ctx.cfg.train.epochs * current.steps_per_epoch
+    total_steps = ctx.cfg.train.epoch_count * current.steps_per_epoch
     run_gain = (step_eager * total_steps) / (step_compiled * total_steps + compile_s)
     trial.note = (f"compile took {compile_s:.0f} s; {run_gain:.2f}x over the run's {total_steps} steps "
                   f"(per step {trial.speedup:.2f}x)")

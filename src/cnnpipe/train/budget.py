@@ -1,5 +1,6 @@
-"""The plan's choice, applied to training (the only part of the plan that `train` depends on), and
-the batch a run of that length trains at (`train.min_steps`).
+"""The plan's choice, applied to training (the only part of the plan that `train` depends on): the
+epochs of `train.epochs: auto` and the images per epoch; and the batch a run of that length trains at
+(`train.min_steps`).
 
 Kept apart from `plan.py` so that refining a prediction never invalidates a trained model.
 """
@@ -11,7 +12,7 @@ from typing import Any
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.files import read_yaml_mapping
-from cnnpipe.train.schedule import batch_for_steps
+from cnnpipe.train.schedule import batch_for_steps, halved_batches
 
 
 def read_budget(path: Path | None) -> dict[str, Any]:
@@ -20,14 +21,29 @@ def read_budget(path: Path | None) -> dict[str, Any]:
 
 
 def apply_budget(cfg: VariantConfig, budget: dict[str, Any]) -> VariantConfig:
-    """`cfg` with the budget's training and validation images per epoch, where they are lower than
-    what the params ask for."""
-    changes = {}
+    """`cfg` with the plan's epochs when train.epochs is `auto`, and the budget's training and
+    validation images per epoch where they are lower than what the params ask for."""
+    changes: dict[str, Any] = {}
+    if cfg.train.epochs == "auto" and budget.get("epochs") is not None:
+        chosen = budget["epochs"]
+        if not (isinstance(chosen, int) and chosen >= 1):
+            raise ValueError(f"budget.yaml: `epochs` = {chosen!r} is not a count of epochs; rerun `dvc repro plan`")
+        changes["epochs"] = chosen
     for key in ("images_per_epoch", "val_images"):
         cap, current = budget.get(key), getattr(cfg.train, key)
         if cap is not None:
             changes[key] = cap if current is None else min(current, cap)
     return cfg.with_train(**changes)
+
+
+def epochs_to_train(cfg: VariantConfig) -> tuple[VariantConfig, str]:
+    """`cfg` with a number of epochs, and a note when `auto` had no plan's choice to take (a run
+    outside `dvc repro`, or a budget.yaml from before `auto`): it trains the floor, train.min_epochs."""
+    if cfg.train.epochs != "auto":
+        return cfg, ""
+    return (cfg.with_train(epochs=cfg.train.min_epochs),
+            f"train.epochs: auto without the plan's choice (metrics/plan/budget.yaml `epochs`): training "
+            f"train.min_epochs={cfg.train.min_epochs}")
 
 
 def fit_batch_to_steps(cfg: VariantConfig, n_train: int, world_size: int) -> VariantConfig:
@@ -36,3 +52,18 @@ def fit_batch_to_steps(cfg: VariantConfig, n_train: int, world_size: int) -> Var
     images = n_train if t.images_per_epoch is None else min(n_train, t.images_per_epoch)
     batch = batch_for_steps(t.batch_size, t.min_steps, images, t.epochs, world_size, t.accum_steps)
     return cfg if batch == t.batch_size else cfg.with_train(batch_size=batch)
+
+
+def fit_batch_to_split(cfg: VariantConfig, n_train: int, world_size: int) -> VariantConfig:
+    """`cfg` at the largest batch `train.min_steps` may halve to that one epoch of `n_train` images fills
+    on every process: what the profile measures when a small catalog holds fewer images than
+    `train.batch_size` (training halves to at least that one, as it cannot take a single step at the
+    larger). Unchanged without `min_steps` (the loader then names the batch that does not fit)."""
+    t = cfg.train
+    if t.min_steps is None:
+        return cfg
+    images = (n_train if t.images_per_epoch is None else min(n_train, t.images_per_epoch)) // world_size
+    for batch in (t.batch_size, *halved_batches(t.batch_size)):
+        if images >= batch * t.accum_steps:
+            return cfg if batch == t.batch_size else cfg.with_train(batch_size=batch)
+    return cfg

@@ -15,6 +15,17 @@ import weakref
 
 import torch
 
+RUN_HORIZONS = 5
+"""The fewest EMA horizons (1 / (1 - decay) steps) a run spans: the weights it starts from then weigh
+at most exp(-5) < 1% in the final average. A fixed decay would not follow the run's length: 0.998
+averages over ~500 steps, longer than a 100-step run, whose average would stay mostly its start."""
+
+
+def decay_for_run(decay: float, total_steps: int) -> float:
+    """`decay` (train.ema_decay), lowered when needed so the run's `total_steps` span `RUN_HORIZONS`
+    horizons: the average follows the epoch count the run trains, whatever chose it."""
+    return min(decay, max(0.0, 1.0 - RUN_HORIZONS / max(1, total_steps)))
+
 
 class ModelEma(torch.nn.Module):
     """timm ModelEmaV3's average without warm-up: the model's weights copied on steps 0 and 1, then

@@ -47,7 +47,7 @@ def save_checkpoints(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, m
     with every rank's RNG states; best.pt when validation improved, written with the next last.pt
     (so the two always agree on disk). Called on every rank (the RNG states are gathered); the
     primary rank decides and writes."""
-    final = epoch + 1 == cfg.train.epochs
+    final = epoch + 1 == cfg.train.epochs or progress.stopped_early is not None  # and a pending best.pt written
     due = broadcast_object(pacer.due(cfg.train.checkpoint_every, epoch, final), info)
     if due:
         augment = getattr(parts.loader.device_transform, "state", dict)()
@@ -56,7 +56,8 @@ def save_checkpoints(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, m
         return
     state = {
         "fingerprint": fingerprint, "epoch": epoch + 1, "history": progress.history,
-        "best_top1": progress.best_top1, "model": unwrap(model).state_dict(),
+        "best_top1": progress.best_top1, "stopped_early": progress.stopped_early,
+        "model": unwrap(model).state_dict(),
         "init": parts.init.to_dict(), "meta": _model_meta(cfg, parts.split, parts.mean, parts.std, parts.amp),
         "ema": ema.state_dict() if ema is not None else None,
     }

@@ -110,7 +110,7 @@ def build_training(cfg: VariantConfig, info: DistInfo, split: PreparedSplit,
         raise ValueError(f"train.accum_steps={t.accum_steps} exceeds the {len(loader)} batches per epoch")
     global_batch = t.batch_size * info.world_size * t.accum_steps
     steps_per_epoch = len(loader) // t.accum_steps
-    schedule = LrSchedule.for_run(t, len(split), global_batch, steps_per_epoch * t.epochs)
+    schedule = LrSchedule.for_run(t, len(split), global_batch, steps_per_epoch * t.epoch_count)
     optimizer = build_optimizer(model, cfg, schedule(0), info.device)
     return TrainingParts(split, model, init, mean, std, amp, optimizer, grad_scaler(amp, info.device), aug, loader,
                          global_batch, steps_per_epoch, schedule)

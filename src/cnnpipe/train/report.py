@@ -58,7 +58,7 @@ def announce(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, threads: 
     print(f"train[{cfg.variant}]: {cfg.model.name} init={parts.init.source} device={info.device} "
           f"x{info.world_size} image_size={cfg.data.image_size} amp={parts.amp} channels_last={t.channels_last} "
           f"compile={t.compile} "
-          f"loader={t.loader} batch={parts.global_batch}{f' ({note})' if note else ''} "
+          f"epochs={t.epochs} loader={t.loader} batch={parts.global_batch}{f' ({note})' if note else ''} "
           f"peak_lr={parts.schedule.peak_lr:.4g} images/epoch={parts.loader.sampler.n} "
           f"steps/epoch={parts.steps_per_epoch} threads={threads}", flush=True)
 

@@ -24,6 +24,8 @@ class Progress:
     history: list[dict[str, Any]] = field(default_factory=list)
     best_top1: float = -1.0
     resumed_from: int | None = None
+    stopped_early: dict[str, Any] | None = None
+    """Set when validation stopped the run before its last epoch (`schedule.early_stop`)."""
 
 
 def _read_last(last_path: Path, info: DistInfo, note: str) -> dict[str, Any] | None:
@@ -57,9 +59,9 @@ def resume(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, ema: torch.
             print(f"{note}NOT resuming {last_path}: it was made under different params or data "
                   f"({state.get('fingerprint')} != {fingerprint}); starting from scratch", file=sys.stderr)
         return Progress()
-    if state["epoch"] >= cfg.train.epochs:
-        # A finished run that DVC asks to run again: an input (code, data, -f) changed. Only an
-        # unfinished run is resumed; a finished one is never silently reused.
+    if state["epoch"] >= cfg.train.epochs or state.get("stopped_early"):
+        # A finished run (or one early stop ended) that DVC asks to run again: an input (code, data,
+        # -f) changed. Only an unfinished run is resumed; a finished one is never silently reused.
         if info.is_primary:
             print(f"{note}{last_path} is a finished run; training again from scratch", file=sys.stderr)
         return Progress()

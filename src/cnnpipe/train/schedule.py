@@ -1,9 +1,11 @@
-"""Learning-rate schedules as pure functions of the optimizer step."""
+"""Learning-rate schedules as pure functions of the optimizer step, and when a run ends (its batch
+for `train.min_steps`, early stop on validation)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 from cnnpipe.config import TrainConfig
 
@@ -98,3 +100,22 @@ def batch_for_steps(batch_size: int, min_steps: int | None, images_per_epoch: in
         if steps_per_run(images_per_epoch, epochs, batch, world_size, accum_steps) >= min_steps:
             return batch
     return batch
+
+
+def early_stop(history: Sequence[dict[str, Any]], patience: int | None) -> dict[str, Any] | None:
+    """Why training should stop after the last epoch of `history`, or None to go on.
+
+    Keras' and Lightning's rule on validation top-1: stop once `patience` epochs in a row brought no
+    better value than the best so far (ties do not count as better). The best epoch's weights are
+    already in best.pt, which is what evaluation, export and the gate read.
+    """
+    if patience is None or not history:
+        return None
+    scores = [h["val_top1"] for h in history]
+    best = max(range(len(scores)), key=lambda i: (scores[i], -i))  # the first epoch that reached the best
+    waited = len(scores) - 1 - best
+    if waited < patience:
+        return None
+    return {"after_epoch": len(scores), "best_epoch": best + 1, "best_val_top1": scores[best],
+            "reason": f"validation top-1 did not improve on epoch {best + 1}'s {scores[best]:.4f} for {waited} "
+                      f"epochs (train.patience={patience})"}

@@ -18,15 +18,16 @@ from cnnpipe.files import file_sha256, write_json
 from cnnpipe.hardware import usable_cores
 from cnnpipe.monitor import GpuUtilSampler, process_seconds
 from cnnpipe.train import checkpoint as ckpt
-from cnnpipe.train.budget import fit_batch_to_steps
+from cnnpipe.train.budget import epochs_to_train, fit_batch_to_steps
 from cnnpipe.train.distributed import DistInfo, check_same_settings, local_world_size, sync_buffers, unwrap
-from cnnpipe.train.ema import ModelEma
+from cnnpipe.train.ema import ModelEma, decay_for_run
 from cnnpipe.train.engine import evaluate_top1, train_one_epoch
 from cnnpipe.train.pacing import Pacer, save_checkpoints
 from cnnpipe.train.parts import build_training, seed_everything, set_threads, step_context
 from cnnpipe.train.recipe import input_recipe
 from cnnpipe.train.report import Live, announce, batch_note, epoch_record, report_epoch, run_summary
 from cnnpipe.train.resume import resume
+from cnnpipe.train.schedule import early_stop
 from cnnpipe.train.temperature import calibrate_best
 from cnnpipe.train.tuning import resolve_auto
 
@@ -43,6 +44,9 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     """
     t_start = time.perf_counter()
     train_split = open_split(prepared_dir, "train")
+    cfg, epochs_note = epochs_to_train(cfg)  # `auto` arrives as the plan's count (apply_budget)
+    if epochs_note and info.is_primary:
+        print(f"train[{cfg.variant}]: {epochs_note}", flush=True)
     requested_batch = cfg.train.batch_size
     cfg = fit_batch_to_steps(cfg, len(train_split), info.world_size)
     cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
@@ -61,7 +65,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
         raise ValueError("train.sync_bn=true needs CUDA: PyTorch's SyncBatchNorm runs on GPUs only; "
                          "set train.sync_bn: false for CPU training")
     parts = build_training(cfg, info, train_split, champion)
-    ema = ModelEma(parts.model, decay=t.ema_decay) if t.ema_decay else None
+    ema = ModelEma(parts.model, decay_for_run(t.ema_decay, parts.schedule.total_steps)) if t.ema_decay else None
     val_split = balanced_subset(open_split(prepared_dir, "val"), t.val_images, cfg.seed)
     val_loader = build_eval_loader(val_split, batch_size=max(t.batch_size, 256), rank=info.rank,
                                    world_size=info.world_size)
@@ -93,7 +97,15 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
         improved = record["val_top1"] > progress.best_top1
         progress.best_top1 = max(progress.best_top1, record["val_top1"])
         report_epoch(cfg, info, live, epoch, record)
+        if epoch + 1 < t.epochs:  # every rank decides alike: validation top-1 is reduced over all of them
+            progress.stopped_early = early_stop(progress.history, t.patience)
         save_checkpoints(cfg, info, parts, model, ema, progress, fingerprint, epoch, improved, model_dir, pacer)
+        if progress.stopped_early:
+            if info.is_primary:
+                print(f"train[{cfg.variant}]: early stop after epoch {epoch + 1}/{t.epochs}: "
+                      f"{progress.stopped_early['reason']}; best.pt holds epoch "
+                      f"{progress.stopped_early['best_epoch']}", flush=True)
+            break
     gpu_util = gpu.stop()
     live.end()
     if not info.is_primary:
@@ -102,7 +114,9 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
                           parts.schedule.peak_lr, threads, progress.resumed_from, gpu_util,
                           time.perf_counter() - t_start)
     recipe = input_recipe(cfg.data, train_split.channels, parts.mean, parts.std)  # what serving must apply
-    summary.update(optimizer_steps=parts.schedule.total_steps, batch_note=note, val_images=len(val_split),
+    summary.update(epochs_planned=t.epochs, stopped_early=progress.stopped_early,
+                   ema_decay=ema.decay if ema is not None else None,
+                   optimizer_steps=parts.schedule.total_steps, batch_note=note, val_images=len(val_split),
                    calibration=calibrate_best(model_dir, open_split(prepared_dir, "val"), info.device, recipe),
                    stage_time_s=process_seconds())
     write_json(metrics_path, summary)
