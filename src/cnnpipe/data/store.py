@@ -179,3 +179,10 @@ def test_sources(prepared_dir: Path, n: int | None = None) -> list[str]:
     evaluate's predictions.csv lists and the gate checks it against."""
     with open(Path(prepared_dir) / "test_meta.jsonl", encoding="utf-8") as fh:
         return list(itertools.islice((json.loads(line)["source"] for line in fh), n))
+
+
+def suppliers(prepared_dir: Path, split: str) -> list[str | None]:
+    """Each image's supplier (a manifest's `supplier` column) in the split's order, None where the
+    source gives none: what a per-supplier report slices by."""
+    with open(Path(prepared_dir) / f"{split}_meta.jsonl", encoding="utf-8") as fh:
+        return [json.loads(line).get("supplier") for line in fh]
