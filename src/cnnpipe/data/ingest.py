@@ -28,7 +28,7 @@ from cnnpipe.data.entries import Entry
 from cnnpipe.data.journal import Journal
 from cnnpipe.data.keys import stat_key
 from cnnpipe.data.previous import PreviousStore
-from cnnpipe.data.workers import DecodePool
+from cnnpipe.data.workers import FAILED_TWICE, DecodePool, unusable
 
 CHANNELS = 3
 
@@ -70,6 +70,7 @@ class Ingested:
     rows: np.ndarray                        # (N,) journal row, or -1
     reasons: dict[int, str]                 # position -> why the image is unusable
     counts: dict[str, int] = field(default_factory=dict)
+    failed: list[tuple[int, str]] = field(default_factory=list)  # (stat_key, reason) of files that failed twice
 
 
 def ingest(listing_root: Path, entries: Sequence[Entry], workers: int, size: int, max_pixels: int,
@@ -91,7 +92,11 @@ def ingest(listing_root: Path, entries: Sequence[Entry], workers: int, size: int
                 reasons[i] = done[2]
             counts["resumed"] += 1
             continue
-        digest = previous.digest_of_unchanged(key)
+        digest, failed = previous.digest_of_unchanged(key), previous.failed(key)
+        if failed is not None:  # it killed its decoder twice already: listed, not tried a third time
+            digests[i], reasons[i] = unusable(entries[i].path, failed)[0], failed
+            counts["unchanged"] += 1
+            continue
         if digest is not None:
             digests[i] = digest
             counts["unchanged"] += 1
@@ -112,4 +117,5 @@ def ingest(listing_root: Path, entries: Sequence[Entry], workers: int, size: int
         digests[i], rows[i] = digest, journal.record(int(keys[i]), digest, image, reason)
         if reason is not None:
             reasons[i] = reason
-    return Ingested(digests, rows, reasons, counts)
+    return Ingested(digests, rows, reasons, counts,
+                    [(int(keys[i]), r) for i, r in sorted(reasons.items()) if r.startswith(FAILED_TWICE)])

@@ -25,7 +25,7 @@ from cnnpipe.data.ingest import Ingested, ingest, recipe, usable_cores
 from cnnpipe.data.journal import Journal
 from cnnpipe.data.keys import HexDigests, digest_at
 from cnnpipe.data.ledger import RECORD, Ledger, records_from_store, write_ledger
-from cnnpipe.data.previous import RECIPE_FILE, Found, PreviousStore, Tree, find_previous
+from cnnpipe.data.previous import FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
 from cnnpipe.data.report import leakage, listed, split_changes, split_codes
 from cnnpipe.data.split import content_split
 from cnnpipe.data.sticky import Assigned, assign_splits, split_rule, stable_cap
@@ -194,6 +194,8 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
         raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
                         f"(without any: {', '.join(no_train)}); see metrics/data_report.json")
     (out_dir / RECIPE_FILE).write_text(json.dumps(wanted))
+    if got.failed:
+        (out_dir / FAILED_FILE).write_text("".join(json.dumps({"key": k, "reason": r}) + "\n" for k, r in got.failed))
     report = {
         "source": str(cfg.source),
         "predefined_splits": bool(listing.given_splits),

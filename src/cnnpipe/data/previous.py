@@ -27,6 +27,9 @@ from cnnpipe.data.keys import digest_at, stat_key
 from cnnpipe.data.store import FORMAT_VERSION, SPLITS
 
 RECIPE_FILE = "recipe.json"
+FAILED_FILE = "failed_files.jsonl"
+"""Files whose decoding process died or ran out of time twice: with the same size and mtime (and the
+same decoders), a later prepare lists them again without trying them a third time."""
 
 
 class Tree:
@@ -174,6 +177,11 @@ class PreviousStore:
         self.keys, self.key_digests = all_keys[by_key], all_digests[by_key]
         self.shape = (wanted["size"], wanted["size"], wanted["channels"])
         self.next_serial = int(index.get("next_serial", 0))
+        failed = tree.path(FAILED_FILE) if index else None
+        self._failed = {}
+        if failed is not None:
+            with open(failed, encoding="utf-8") as fh:
+                self._failed = {item["key"]: item["reason"] for item in map(json.loads, fh)}
         self._fds: dict[int, int] = {}
 
     def __len__(self) -> int:
@@ -191,6 +199,10 @@ class PreviousStore:
         """The sha256 recorded for a file with this `stat_key`, or None."""
         i = int(np.searchsorted(self.keys, np.uint64(key)))
         return digest_at(self.key_digests, i) if i < len(self.keys) and self.keys[i] == key else None
+
+    def failed(self, key: int) -> str | None:
+        """Why a file with this `stat_key` could not be decoded twice before, or None."""
+        return self._failed.get(key)
 
     def pixels(self, shard: int, row: int) -> np.ndarray:
         """One image, read with pread: a memory map would count the whole old store in our RSS."""

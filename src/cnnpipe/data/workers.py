@@ -29,6 +29,7 @@ from cnnpipe.data.decode import decode_bytes
 
 CHUNK = 16              # files per task: amortises the inter-process round trip
 CHUNKS_PER_WORKER = 2   # tasks queued per worker: it never waits for work, and memory stays bounded
+FAILED_TWICE = "its decoding process failed twice"
 Outcome = tuple[bytes, "np.ndarray | None", "str | None", bool]
 """One file's result: (sha256, pixels or None, why it is unusable or None, known to the previous store)."""
 
@@ -208,7 +209,7 @@ class DecodePool:
             if outcome is None:
                 worker.stop(kill=True)
                 again = _death(worker) if ready else f"over data.decode_timeout_s={self.timeout_s:g} s"
-                outcome = unusable(path, f"its decoding process failed twice, the second time alone ({first}; then "
+                outcome = unusable(path, f"{FAILED_TWICE}, the second time alone ({first}; then "
                                          f"{again}): a crash in an image codec, the out-of-memory killer, or a file "
                                          "too slow to decode")
             else:
