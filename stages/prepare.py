@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cnnpipe.data.idx import DatasetMissing
 from cnnpipe.data.prepare import DataError, prepare
+from cnnpipe.data.workers import DecodersFailed
 from cnnpipe.params import ParamsError, data_config, load_params
 
 
@@ -21,7 +22,7 @@ def main() -> int:
         raw = load_params(args.params)
         report = prepare(data_config(raw), raw.get("seed", 0), Path(args.out), Path(args.report),
                          Path(args.ledger) if args.ledger else None)
-    except (ParamsError, DataError, DatasetMissing) as exc:
+    except (ParamsError, DataError, DatasetMissing, DecodersFailed) as exc:
         print(f"prepare: {exc}", file=sys.stderr)
         return 2
     print(f"prepare: {report['splits']} ({report['num_bad']} bad files, {len(report['leakage'])} leaked duplicates)")

@@ -137,17 +137,17 @@ def test_a_killed_prepare_continues_where_it_stopped(tmp_path):
 
 
 def _journal_of_three(work: Path, wanted: dict, image: np.ndarray):
-    """An open journal holding three decoded images: keys 0-2, pixels `image + key`."""
-    from cnnpipe.data.ingest import Journal
+    """An open journal (two frames a segment) holding three decoded images: keys 0-2, pixels `image + key`."""
+    from cnnpipe.data.journal import Journal
 
-    journal = Journal(work, wanted)
+    journal = Journal(work, wanted, rows_per_segment=2)
     for key in range(3):
         journal.record(key, bytes([key]) * 32, image + key, None)
     return journal
 
 
 def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
-    from cnnpipe.data.ingest import Journal
+    from cnnpipe.data.journal import Journal, where
 
     wanted = {"size": 2, "channels": 3}
     image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
@@ -156,43 +156,47 @@ def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
     journal.close()
     with open(tmp_path / "w" / "journal.jsonl", "ab") as fh:  # killed mid-line, after the pixels
         fh.write(b'{"key": 4, "sha256": "04')
-    with open(tmp_path / "w" / "decoded.u8", "ab") as fh:
+    with open(tmp_path / "w" / "segments" / "000001.u8", "ab") as fh:
         fh.write(bytes(7))
 
-    journal = Journal(tmp_path / "w", wanted)
-    assert len(journal) == 4 and journal.rows == 3 and journal.lookup(4) is None
-    assert journal.lookup(1) == (bytes([1]) * 32, 1, None)
+    journal = Journal(tmp_path / "w", wanted, rows_per_segment=2)
+    assert len(journal) == 4 and journal.lookup(4) is None
+    assert journal.lookup(1) == (bytes([1]) * 32, where(0, 1), None)
     assert journal.lookup(3) == (bytes([3]) * 32, -1, "cannot be decoded")
-    assert journal.record(4, bytes([4]) * 32, image + 4, None) == 3
-    assert np.array_equal(journal.pixels(1), image + 1) and np.array_equal(journal.pixels(3), image + 4)
+    assert (tmp_path / "w" / "segments" / "000001.u8").stat().st_size == 12  # the torn bytes cut off
+    assert journal.record(4, bytes([4]) * 32, image + 4, None) == where(2, 0)  # a new segment, never a reopened one
+    assert np.array_equal(journal.pixels(where(0, 1)), image + 1)
+    assert np.array_equal(journal.pixels(where(2, 0)), image + 4)
     journal.record(0, bytes([9]) * 32, image + 9, None)  # journalled again: the last line counts
     journal.close()
-    journal = Journal(tmp_path / "w", wanted)
-    assert len(journal) == 5 and journal.lookup(4) == (bytes([4]) * 32, 3, None)
-    assert journal.lookup(0) == (bytes([9]) * 32, 4, None)
+    journal = Journal(tmp_path / "w", wanted, rows_per_segment=2)
+    assert len(journal) == 5 and journal.lookup(4) == (bytes([4]) * 32, where(2, 0), None)
+    assert journal.lookup(0) == (bytes([9]) * 32, where(2, 1), None)
     journal.close()
-    journal = Journal(tmp_path / "w", {"size": 4, "channels": 3})
+    journal = Journal(tmp_path / "w", {"size": 4, "channels": 3}, rows_per_segment=2)
     assert len(journal) == 0  # another recipe starts over
     journal.close()
 
 
-def test_a_journal_whose_last_frame_was_cut_decodes_that_image_again(tmp_path):
-    from cnnpipe.data.ingest import Journal
+def test_a_journal_whose_last_frame_was_cut_decodes_that_image_again_and_never_truncates_a_shared_file(tmp_path):
+    from cnnpipe.data.journal import Journal, where
 
     wanted = {"size": 2, "channels": 3}
     image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
     _journal_of_three(tmp_path / "w", wanted, image).close()
     lines = (tmp_path / "w" / "journal.jsonl").read_text().splitlines()
     assert len(lines) == 3  # close() wrote the lines its fsync made safe
-    pixels = tmp_path / "w" / "decoded.u8"
-    with open(pixels, "r+b") as fh:  # a power cut kept the lines but not the last frame's blocks
-        fh.truncate(2 * 12 + 5)
+    first = tmp_path / "w" / "segments" / "000000.u8"
+    os.link(first, tmp_path / "shard-in-a-store.u8")  # a store took this segment as a shard
+    with open(first, "r+b") as fh:  # a power cut kept the lines but not the last frame's blocks
+        fh.truncate(12 + 5)
 
-    journal = Journal(tmp_path / "w", wanted)
-    assert len(journal) == 2 and journal.rows == 2 and journal.lookup(2) is None
-    assert pixels.stat().st_size == 2 * 12  # the torn frame is cut, never padded with zeros
-    assert journal.record(2, bytes([2]) * 32, image + 2, None) == 2
-    assert np.array_equal(journal.pixels(2), image + 2) and np.array_equal(journal.pixels(1), image + 1)
+    journal = Journal(tmp_path / "w", wanted, rows_per_segment=2)
+    assert len(journal) == 1 and journal.lookup(1) is None and journal.lookup(2) is None  # and what followed
+    assert first.stat().st_size == 12  # the torn frame is cut, never padded with zeros...
+    assert (tmp_path / "shard-in-a-store.u8").stat().st_size == 12 + 5  # ...in a new file: the store's is untouched
+    assert journal.record(1, bytes([1]) * 32, image + 1, None) == where(2, 0)
+    assert np.array_equal(journal.pixels(where(2, 0)), image + 1) and np.array_equal(journal.pixels(where(0, 0)), image)
     journal.close()
 
 

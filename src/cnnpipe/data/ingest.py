@@ -26,7 +26,7 @@ import numpy as np
 from cnnpipe.data.decode import TRANSFORM, decode_file, decoder_versions
 from cnnpipe.data.entries import Entry
 from cnnpipe.data.journal import Journal
-from cnnpipe.data.keys import stat_key
+from cnnpipe.data.keys import path_keys, stat_key
 from cnnpipe.data.previous import PreviousStore
 from cnnpipe.data.workers import FAILED_TWICE, DecodePool, unusable
 
@@ -67,7 +67,7 @@ class Ingested:
     or unusable), why it is unusable; and how each was obtained."""
 
     digests: np.ndarray                     # (N,) S32
-    rows: np.ndarray                        # (N,) journal row, or -1
+    rows: np.ndarray                        # (N,) `journal.where` of its decoded pixels, or -1
     reasons: dict[int, str]                 # position -> why the image is unusable
     counts: dict[str, int] = field(default_factory=dict)
     failed: list[tuple[int, str]] = field(default_factory=list)  # (stat_key, reason) of files that failed twice
@@ -102,6 +102,11 @@ def ingest(listing_root: Path, entries: Sequence[Entry], workers: int, size: int
             counts["unchanged"] += 1
             continue
         todo.append(i)
+    # Decoded in the order of a hash of their paths: the journal's segments, which become the new
+    # shards, then hold a random mix of classes (a block shuffle reads a few shards at a time), and
+    # the same catalog gives the same shards on any machine, with any number of workers.
+    todo_keys = path_keys([entries[i].path for i in todo])
+    todo = array.array("q", np.asarray(todo, dtype=np.int64)[np.argsort(todo_keys, kind="stable")].tolist())
     prefixes = previous.write_prefixes(journal.work / "known_prefixes.npy")
     paths = _Paths(listing_root, entries, todo)
     pool = DecodePool(workers, size, max_pixels, str(prefixes) if prefixes else None, timeout_s)

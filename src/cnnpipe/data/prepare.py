@@ -31,7 +31,7 @@ from cnnpipe.data.split import content_split
 from cnnpipe.data.sticky import Assigned, assign_splits, split_rule, stable_cap
 from cnnpipe.data.store import SPLITS
 from cnnpipe.data.swap import recover, staged, swap_in
-from cnnpipe.data.writer import StoreWriter, first_serial
+from cnnpipe.data.writer import StoreWriter, first_serial, rows_per_shard
 from cnnpipe.files import write_json
 
 __all__ = ["DataError", "prepare", "prepare_fashion_mnist"]
@@ -104,10 +104,11 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
 # --------------------------------------------------------------------------- ImageFolder trees, manifests
 def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: Listing, got: Ingested,
                   labels: np.ndarray, journal: Journal, old: PreviousStore) -> tuple[int, int]:
-    """Each split's images into `writer`, in content order: decoded ones from the journal, the
-    previous store's by reference to their shard (or copied, from a store before shards). In place,
-    `splits` takes that order. Returns (kept, copied)."""
+    """Each split's images into `writer`, in content order, all by reference to a shard but those of
+    a store before shards (copied): decoded ones to their journal segment, the previous store's to
+    theirs. In place, `splits` takes that order. Returns (kept, copied)."""
     kept = copied = 0
+    segments: dict[Path, str] = {}  # journal segment -> its shard name in the new store
     for split in SPLITS:
         members = splits[split] = splits[split][np.argsort(got.digests[splits[split]], kind="stable")]
         for i in members:
@@ -115,8 +116,11 @@ def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: L
             meta = {"source": entry.path, "sha256": digest.hex(), "size": entry.size, "mtime_ns": entry.mtime_ns}
             if entry.supplier is not None:
                 meta["supplier"] = entry.supplier
-            if row >= 0:
-                writer.add(split, journal.pixels(row), int(labels[i]), digest, meta)
+            if row >= 0:  # decoded by this run: its journal segment becomes a shard as it is
+                segment, segment_row = journal.frame_of(row)
+                if segment not in segments:
+                    segments[segment] = writer.fresh_name()
+                writer.keep(split, segments[segment], segment, segment_row, int(labels[i]), digest, meta, fresh=True)
             elif old.sealed:  # a shard of the previous store holds it: point at it, read nothing
                 shard, shard_row = old.find(digest)
                 writer.keep(split, old.names[shard], old.files[shard], shard_row, int(labels[i]), digest, meta)
@@ -151,7 +155,8 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
     root = listing.root
     all_classes = sorted(listing.entries.labels)
     wanted = recipe(cfg.stored_size, cfg.max_pixels)
-    journal, old = Journal(work, wanted), PreviousStore(previous, wanted)
+    journal = Journal(work, wanted, rows_per_shard(cfg.shard_mb, cfg.stored_size**2 * 3))
+    old = PreviousStore(previous, wanted)
     workers = usable_cores() if cfg.prepare_workers == "auto" else int(cfg.prepare_workers)
     try:
         progress = partial(tqdm, desc="prepare", unit="img", disable=None, mininterval=2.0)

@@ -29,11 +29,17 @@ from cnnpipe.data.decode import decode_bytes
 
 CHUNK = 16              # files per task: amortises the inter-process round trip
 CHUNKS_PER_WORKER = 2   # tasks queued per worker: it never waits for work, and memory stays bounded
+STARTUP_S = 300         # a worker that is not ready by then (imports on a swamped machine) is an error
 FAILED_TWICE = "its decoding process failed twice"
 Outcome = tuple[bytes, "np.ndarray | None", "str | None", bool]
 """One file's result: (sha256, pixels or None, why it is unusable or None, known to the previous store)."""
 
 _KNOWN: dict[str, np.ndarray] = {}
+READY = "ready"
+
+
+class DecodersFailed(RuntimeError):
+    """Decoding processes die as they start, before any file: the environment's fault, not a file's."""
 
 
 def _is_known(digest: bytes, prefixes_file: str | None) -> bool:
@@ -73,6 +79,7 @@ def _serve(conn: Connection, size: int, max_pixels: int, prefixes_file: str | No
     """A worker: decode each (position, path) of each chunk received, answering file by file."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a codec crash leaves no core file behind
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    conn.send(READY)
     while True:
         try:
             chunk = conn.recv()
@@ -92,6 +99,7 @@ class _Worker:
         theirs.close()
         self.pending: deque[tuple[int, str]] = deque()
         self.since = time.monotonic()  # when it last answered (or got work while idle)
+        self.ready = False  # it has started: a death before that is no file's fault
 
     def give(self, chunk: list[tuple[int, str]]) -> None:
         if not self.pending:
@@ -125,8 +133,8 @@ def _death(worker: _Worker) -> str:
 
 
 class DecodePool:
-    """`workers` decoding processes; `run(paths)` yields (position, outcome) for every path, in the
-    order they finish, with at most `workers * CHUNKS_PER_WORKER` chunks in flight."""
+    """`workers` decoding processes; `run(paths)` yields (position, outcome) for every path, in their
+    order, with at most `workers * CHUNKS_PER_WORKER` chunks in flight."""
 
     def __init__(self, workers: int, size: int, max_pixels: int, prefixes_file: str | None, timeout_s: float) -> None:
         self.workers, self.args, self.timeout_s = max(1, workers), (size, max_pixels, prefixes_file), timeout_s
@@ -135,6 +143,10 @@ class DecodePool:
 
     def run(self, paths: Sequence[str]) -> Iterator[tuple[int, Outcome]]:
         todo: deque[tuple[int, str]] = deque()
+        # Answers are passed on in the order of `paths` (a suspect's at the very end): what the
+        # journal holds, and so the store's bytes, do not depend on which worker was quicker.
+        done: dict[int, Outcome] = {}
+        following, deferred = 0, set()
         chunks = ((i, min(i + CHUNK, len(paths))) for i in range(0, len(paths), CHUNK))
         pool: list[_Worker] = []
         try:
@@ -142,7 +154,8 @@ class DecodePool:
             while True:
                 for worker in pool:
                     while len(worker.pending) < CHUNKS_PER_WORKER * CHUNK:
-                        if not todo:
+                        if not todo and len(done) < 4 * self.workers * CHUNKS_PER_WORKER * CHUNK:
+                            # (not past one slow file by more than that: what waits is held in memory)
                             start, stop = next(chunks, (0, 0))
                             todo.extend((i, paths[i]) for i in range(start, stop))
                         if not todo:
@@ -151,23 +164,33 @@ class DecodePool:
                 busy = [w for w in pool if w.pending]
                 if not busy:
                     break
-                yield from self._step(pool, busy, todo)
+                done.update(self._step(pool, busy, todo))
+                deferred = {position for position, _, _ in self.suspects}
+                while following in done or following in deferred:
+                    if following in done:
+                        yield following, done.pop(following)
+                    following += 1
         finally:
             for worker in pool:
                 worker.stop(kill=bool(worker.pending))
         yield from self._retry_alone()
 
     def _step(self, pool: list[_Worker], busy: list[_Worker], todo: deque) -> Iterator[tuple[int, Outcome]]:
-        """Wait for the next answers (or a death, or a deadline) and handle them."""
+        """Wait for the next answers (or a death, or a deadline) and handle them. A worker's clock
+        starts when it is ready: a slow start on a loaded machine is no file's fault."""
         now = time.monotonic()
-        deadline = min(w.since for w in busy) + self.timeout_s
+        deadline = min(w.since + (self.timeout_s if w.ready else STARTUP_S) for w in busy)
         ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy], timeout=max(0.0, deadline - now))
         for worker in busy:
             what = None
             if worker.conn in ready:
                 try:
                     while worker.conn.poll():
-                        position, outcome = worker.conn.recv()
+                        answer = worker.conn.recv()
+                        if answer == READY:
+                            worker.ready, worker.since = True, time.monotonic()
+                            continue
+                        position, outcome = answer
                         worker.pending.popleft()
                         worker.since = time.monotonic()
                         yield position, outcome
@@ -178,8 +201,8 @@ class DecodePool:
             elif worker.process.sentinel in ready:
                 worker.process.join(5)
                 what = _death(worker)
-            elif time.monotonic() - worker.since > self.timeout_s:
-                what = f"over data.decode_timeout_s={self.timeout_s:g} s"
+            elif time.monotonic() - worker.since > (self.timeout_s if worker.ready else STARTUP_S):
+                what = f"over data.decode_timeout_s={self.timeout_s:g} s" if worker.ready else "no start"
             if what is not None:
                 self._replace(pool, worker, what, todo)
 
@@ -187,6 +210,8 @@ class DecodePool:
         """A worker died or hung on its current file: that file is a suspect, the rest of its work
         goes back to the queue, and a fresh worker takes its place."""
         worker.stop(kill=True)
+        if not worker.ready:
+            _failed_to_start(what)
         position, path = worker.pending.popleft()
         self.suspects.append((position, path, what))
         todo.extendleft(reversed(worker.pending))
@@ -197,22 +222,39 @@ class DecodePool:
         """Each suspect once more, alone in a fresh process; a second failure lists it as bad."""
         for position, path, first in self.suspects:
             worker = _Worker(self.ctx, self.args)
-            worker.give([(position, path)])
-            ready = wait([worker.conn, worker.process.sentinel], timeout=self.timeout_s)
-            outcome = None
-            if worker.conn in ready:
-                try:
-                    outcome = worker.conn.recv()[1]
-                    worker.pending.clear()
-                except (EOFError, OSError):
-                    pass
-            if outcome is None:
+            if _answer(worker, STARTUP_S) != READY:
                 worker.stop(kill=True)
-                again = _death(worker) if ready else f"over data.decode_timeout_s={self.timeout_s:g} s"
-                outcome = unusable(path, f"{FAILED_TWICE}, the second time alone ({first}; then "
-                                         f"{again}): a crash in an image codec, the out-of-memory killer, or a file "
-                                         "too slow to decode")
+                _failed_to_start(_death(worker))
+            worker.give([(position, path)])
+            answer = _answer(worker, self.timeout_s)
+            if answer is None or answer == "died":
+                worker.stop(kill=True)
+                again = _death(worker) if answer else f"over data.decode_timeout_s={self.timeout_s:g} s"
+                outcome = unusable(path, f"{FAILED_TWICE}, the second time alone ({first}; then {again}): a crash "
+                                         "in an image codec, the out-of-memory killer, or a file too slow to decode")
             else:
+                outcome = answer[1]
+                worker.pending.clear()
                 worker.stop()
             yield position, outcome
         self.suspects.clear()
+
+
+def _answer(worker: _Worker, timeout: float) -> object:
+    """The worker's next message; None if it sends none within `timeout`, "died" if it dies first."""
+    ready = wait([worker.conn, worker.process.sentinel], timeout=timeout)
+    if worker.conn in ready:
+        try:
+            return worker.conn.recv()
+        except (EOFError, OSError):
+            pass
+    if not ready:
+        return None
+    worker.process.join(5)
+    return "died"
+
+
+def _failed_to_start(what: str) -> None:
+    raise DecodersFailed(f"a decoding process died as it started ({what}), before it read any file: check that "
+                         "`python -c 'import cnnpipe.data.workers'` runs in this environment, and that the machine "
+                         "has memory for data.prepare_workers processes")

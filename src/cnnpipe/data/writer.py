@@ -107,10 +107,17 @@ class StoreWriter:
         self.splits[split].append(shard, row, label, digest, meta)
 
     def keep(self, split: str, name: str, shard: Path, row: int, label: int, digest: bytes,
-             meta: dict[str, Any]) -> None:
-        """Point at row `row` of a previous store's sealed shard `name` (its file: `shard`, in that
-        store or in the DVC cache); no pixels are read or written."""
+             meta: dict[str, Any], fresh: bool = False) -> None:
+        """Point at row `row` of a sealed shard `name` whose file is `shard`: one of the previous store
+        (in it or in the DVC cache), or a segment of this run's journal (`fresh`: its pixels were
+        written by this run, which `last_update` counts); no pixels are read or written here."""
         self.splits[split].append(self._number(name, Path(shard)), row, label, digest, meta)
+        self.written_bytes += self.frame_bytes if fresh else 0
+
+    def fresh_name(self) -> str:
+        """A new shard's name, for a journal segment this store takes as a shard (any split's images)."""
+        self._next_serial += 1
+        return f"{self._next_serial - 1:06d}-mixed.u8"
 
     def _live_rows(self) -> np.ndarray:
         """How many rows of each shard some split points at."""
