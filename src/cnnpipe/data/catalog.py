@@ -74,8 +74,9 @@ def _walk(directory: str, root: Path, skipped: list[dict[str, str]],
 
 def _add_class(listing: Listing, class_dir: Path, label: str, split: str | None,
                above: frozenset[tuple[int, int]]) -> None:
+    prefix = len(str(listing.root)) + 1  # every path below is root/...: slicing, not os.path.relpath (5x)
     for item in _walk(str(class_dir), listing.root, listing.skipped_folders, above):
-        rel = os.path.relpath(item.path, listing.root)
+        rel = item.path[prefix:]
         if os.path.splitext(item.name)[1].lower() not in IMAGE_EXTENSIONS:
             listing.ignored.append(printable(rel))
         elif not is_utf8(rel):

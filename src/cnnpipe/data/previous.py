@@ -165,7 +165,12 @@ class PreviousStore:
         parts, wheres = [], []
         for code, split in enumerate(SPLITS):
             meta = tree.path(f"{split}_meta.jsonl") if index else None
-            parts.append(read_store_meta(meta) if meta else empty)
+            keys = tree.path(f"{split}_keys.npy") if index else None
+            if keys is not None:  # a store since `writer.KEYS`: no JSON to parse
+                table = np.load(keys)
+                parts.append((table["sha256"], table["stat"]))
+            else:
+                parts.append(read_store_meta(meta) if meta else empty)
             count = len(parts[-1][0])
             rows = tree.path(f"{split}_rows.npy") if self.sealed and count else None
             wheres.append(np.load(rows) if rows else np.stack([np.full(count, code), np.arange(count)], axis=1))

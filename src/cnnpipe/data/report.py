@@ -62,8 +62,12 @@ def _members(store: Tree | None) -> list[np.ndarray] | None:
     metas = [store.path(f"{split}_meta.jsonl") if store else None for split in SPLITS]
     if not any(metas):
         return None
-    return [np.unique(read_store_meta(meta, with_keys=False)[0]) if meta else np.zeros(0, dtype="S32")
-            for meta in metas]
+    out = []
+    for split, meta in zip(SPLITS, metas):
+        keys = store.path(f"{split}_keys.npy")
+        digests = np.load(keys)["sha256"] if keys else read_store_meta(meta, with_keys=False)[0] if meta else None
+        out.append(np.unique(digests) if digests is not None else np.zeros(0, dtype="S32"))
+    return out
 
 
 def split_changes(previous: Tree | None, current: Path) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ Layout of a prepared directory::
                              segment of a prepare's journal (the images it decoded, any split)
     <split>_rows.npy         (N, 2) int32: each image's shard (its place in index.json's list) and row
     <split>_labels.npy       int64 labels
+    <split>_keys.npy         each image's sha256 and the key of its file's path, size and mtime
     <split>_meta.jsonl       one line per image: source path and sha256 of the source bytes (and, for
                              image files, their size and mtime: unchanged files are not read again)
     recipe.json              the decoding rules and size (image files only): which stores can share pixels
