@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cnnpipe.data.store import data_fingerprint
-from conftest import copy_project, save_image, tiny_params, write_params, colour_image
+from conftest import colour_image, copy_project, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -102,3 +102,32 @@ def test_an_update_through_dvc_repro_writes_the_new_bytes_and_the_store_is_held_
     assert data_fingerprint(pulled / "data" / "prepared") == data_fingerprint(producer / "data" / "prepared")
     assert "up to date" in sh(["dvc", "status", "prepare"], pulled).lower() or "changed" not in \
         sh(["dvc", "status", "prepare"], pulled)
+
+
+def test_a_catalog_seen_before_never_brings_back_an_older_ledger(tmp_path):
+    """DVC's run cache would restore week 1's store and ledger when the catalog is week 1's again,
+    forgetting the photos week 2 held out; prepare stays out of it (a persistent report)."""
+    project = copy_project(tmp_path / "project")
+    catalog = project / "data" / "raw" / "catalog"
+    photos(catalog, 0, 200)
+    params = tiny_params()
+    params["data"].update(source="data/raw/catalog", stored_size=8, image_size=8)
+    write_params(project / "params.yaml", params)
+    sh(["git", "init", "-q"], project)
+    sh(["dvc", "repro", "prepare"], project)  # week 1
+    week2 = tmp_path / "week2"
+    photos(week2, 200, 300)
+    shutil.copytree(week2, catalog, dirs_exist_ok=True)
+    sh(["dvc", "repro", "prepare"], project)  # week 2: 100 new photos, some held out
+    held = {s: json.loads(line)["source"] for s in ("val", "test")
+            for line in (project / "data" / "prepared" / f"{s}_meta.jsonl").read_text().splitlines()}
+    new_held = {path for path in held.values() if int(Path(path).stem) >= 200}
+    assert new_held
+    for path in week2.rglob("*.jpg"):  # week 3: the catalog is exactly week 1's again
+        (catalog / path.relative_to(week2)).unlink()
+    out = sh(["dvc", "repro", "prepare"], project)
+    assert "Running stage 'prepare'" in out  # run, not restored from the run cache
+    shutil.copytree(week2, catalog, dirs_exist_ok=True)  # week 4: they are back
+    sh(["dvc", "repro", "prepare"], project)
+    train = {json.loads(line)["source"] for line in (project / "data" / "prepared" / "train_meta.jsonl").read_text().splitlines()}
+    assert not new_held & train

@@ -13,16 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from cnnpipe.data.decode import IMAGE_EXTENSIONS
-from cnnpipe.data.entries import (  # noqa: F401 - the listing's types, imported from here by prepare
-    SPLIT_ALIASES,
-    DataError,
-    Entries,
-    Entry,
-    Listing,
-    group_key,
-    is_utf8,
-    printable,
-)
+from cnnpipe.data.entries import SPLIT_ALIASES, DataError, Entries, Listing, is_utf8, printable
 from cnnpipe.data.manifest import MANIFEST_SUFFIXES, read_manifest
 
 

@@ -14,6 +14,7 @@ hand (no DVC, or a store already in place), the folder on disk is the previous o
 from __future__ import annotations
 
 import array
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -86,17 +87,24 @@ def _locked_outs(root: Path) -> dict[str, dict[str, Any]]:
     return {out["path"]: out for stage in stages.values() for out in stage.get("outs", []) if "path" in out}
 
 
-def _cached_files(root: Path, out: dict[str, Any]) -> dict[str, Path] | None:
-    """The cache objects of a directory output, by relative path; None unless every one is there."""
+@functools.lru_cache(maxsize=4)
+def _caches(root: Path) -> tuple[Any, Any]:
+    """The project's DVC caches (its own and the pre-3.0 one), which map an md5 to its file."""
     from dvc.repo import Repo  # here: a second of imports, paid only when the workspace copy is gone
 
     with Repo(str(root)) as repo:
-        odb = repo.cache.local if out.get("hash") == "md5" else repo.cache.legacy
-        listing = Path(odb.oid_to_path(out["md5"]))
-        if not listing.is_file():
-            return None
-        files = {entry["relpath"]: Path(odb.oid_to_path(entry["md5"]))
-                 for entry in json.loads(listing.read_text(encoding="utf-8"))}
+        return repo.cache.local, repo.cache.legacy
+
+
+def _cached_files(root: Path, out: dict[str, Any]) -> dict[str, Path] | None:
+    """The cache objects of a directory output, by relative path; None unless every one is there."""
+    local, legacy = _caches(root)
+    odb = local if out.get("hash") == "md5" else legacy
+    listing = Path(odb.oid_to_path(out["md5"]))
+    if not listing.is_file():
+        return None
+    files = {entry["relpath"]: Path(odb.oid_to_path(entry["md5"]))
+             for entry in json.loads(listing.read_text(encoding="utf-8"))}
     return files if all(p.is_file() for p in files.values()) else None
 
 

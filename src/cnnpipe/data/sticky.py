@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.catalog import DataError, Listing
+from cnnpipe.data.entries import DataError, Listing
 from cnnpipe.data.keys import HexDigests, digest_at, path_keys
 from cnnpipe.data.ledger import GIVEN, HELD_BEFORE, RECORD, Ledger, group_prefix
 from cnnpipe.data.split import content_split, hashed_unit

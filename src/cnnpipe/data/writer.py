@@ -58,7 +58,7 @@ class _SplitRows:
         self.row.append(row)
         self.label.append(label)
         self.digests += digest
-        self.stat_keys.append(stat_key(meta["source"], meta.get("size", -1), meta.get("mtime_ns", -1)))
+        self.stat_keys.append(stat_key(meta.get("source", ""), meta.get("size", -1), meta.get("mtime_ns", -1)))
         line = (json.dumps(meta, ensure_ascii=False) + "\n").encode()
         self.meta.write(line)
         self.offsets.append(self.offsets[-1] + len(line))
