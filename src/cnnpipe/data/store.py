@@ -122,7 +122,7 @@ class ShardedImages:
                 source = (self.source[0], slice(window.start, window.stop, window.step))
             return ShardedImages(self.shards, self.where[key], self.frame, source)
         key = np.asarray(key)
-        where = np.asarray(self.where[key if key.dtype == bool else key.astype(np.intp)])
+        where = self.where[key if key.dtype == bool else key.astype(np.intp)]
         if not len(where):
             return np.empty((0, *self.frame), dtype=np.uint8)
         shards = where[:, 0]
@@ -154,7 +154,7 @@ class ShardedImages:
         where = state["where"]
         if where is None:
             rows, window = state["source"]
-            where = np.load(rows, mmap_mode="r")[window]
+            where = _mapped(rows)[window]
         self.__init__(state["shards"], where, state["frame"], state["source"])  # type: ignore[misc]
 
 
@@ -255,13 +255,19 @@ def pin_store(prepared_dir: Path) -> Path:
     return prepared_dir
 
 
+def _mapped(path: Path) -> np.ndarray:
+    """A .npy file memory-mapped (shared through the page cache, never a copy per process), as a plain
+    ndarray view: indexing the memmap subclass costs microseconds a call."""
+    return np.load(path, mmap_mode="r").view(np.ndarray)
+
+
 def _open(folder: Path, split: str, index: dict[str, Any]) -> PreparedSplit:
     if split not in index["splits"]:
         raise KeyError(f"{folder}: no split {split!r} (have {', '.join(index['splits'])})")
     frame = (index["size"], index["size"], index["channels"])
     rows_file = folder / f"{split}_rows.npy"
-    where = np.load(rows_file, mmap_mode="r")  # shared through the page cache, never a copy per process
-    labels = np.load(folder / f"{split}_labels.npy", mmap_mode="r")
+    where = _mapped(rows_file)
+    labels = _mapped(folder / f"{split}_labels.npy")
     if len(where) != index["splits"][split]["count"] or len(labels) != len(where):
         raise ValueError(f"{folder}: {split} has {len(where)} rows and {len(labels)} labels, index.json says "
                          f"{index['splits'][split]['count']}; rerun `dvc repro prepare`")
