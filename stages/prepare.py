@@ -1,12 +1,13 @@
-"""prepare stage: raw images → data/prepared (pre-resized, split) + metrics/data_report.json."""
+"""prepare stage: raw images → data/prepared (pre-resized, split), data/split_ledger (every image's split,
+for good) + metrics/data_report.json."""
 
 import argparse
 import sys
 from pathlib import Path
 
 from cnnpipe.data.idx import DatasetMissing
-from cnnpipe.data.ingest import PrepareInterrupted
 from cnnpipe.data.prepare import DataError, prepare
+from cnnpipe.data.workers import DecodersFailed
 from cnnpipe.params import ParamsError, data_config, load_params
 
 
@@ -14,23 +15,38 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default="data/prepared", help="prepared data directory")
+    parser.add_argument("--ledger", default=None, help="split ledger directory (default: <out>_ledger)")
     parser.add_argument("--report", default="metrics/data_report.json")
     args = parser.parse_args()
     try:
         raw = load_params(args.params)
-        report = prepare(data_config(raw), raw.get("seed", 0), Path(args.out), Path(args.report))
-    except (ParamsError, DataError, DatasetMissing, PrepareInterrupted) as exc:
+        report = prepare(data_config(raw), raw.get("seed", 0), Path(args.out), Path(args.report),
+                         Path(args.ledger) if args.ledger else None)
+    except (ParamsError, DataError, DatasetMissing, DecodersFailed) as exc:
         print(f"prepare: {exc}", file=sys.stderr)
         return 2
     print(f"prepare: {report['splits']} ({report['num_bad']} bad files, {len(report['leakage'])} leaked duplicates)")
+    if report.get("recovered"):
+        print(f"prepare: {report['recovered']}")
     if report.get("work"):
         work = report["work"]
         print(f"prepare: {work['listed']} images listed: {work['decoded']} decoded, {work['kept']} kept in the "
               f"previous store's shards and {work['copied']} copied from it ({work['unchanged_not_read']} unchanged "
               f"files not read), {work['resumed']} kept from an interrupted run; {work['workers']} worker(s)")
+    ledger = report["ledger"]
+    print(f"prepare: split ledger: {ledger['records_added']} record(s) added, {ledger['segments']} segment(s)"
+          + (f"; splits redrawn ({ledger['reset']})" if ledger.get("reset") else ""))
+    if ledger.get("rule_changed") and not ledger.get("reset"):
+        print("prepare: WARNING: the seed or the split fractions changed: images the split ledger knows keep their "
+              "splits, new ones are drawn by the new rule; set data.split_reset to a new name to redraw them all",
+              file=sys.stderr)
     if report.get("num_label_conflicts"):
-        print(f"prepare: WARNING: {report['num_label_conflicts']} image(s) found under several labels (all copies "
-              "held out; see label_conflicts in the data report)", file=sys.stderr)
+        print(f"prepare: WARNING: {report['num_label_conflicts']} image(s) found under several labels (every copy "
+              f"{'held out' if report['label_conflicts'][0]['split'] != 'quarantined' else 'quarantined'}; see "
+              "label_conflicts in the data report)", file=sys.stderr)
+    if report.get("num_placeholders"):
+        print(f"prepare: WARNING: {report['num_placeholders']} placeholder image(s) (the same bytes in many groups or "
+              "labels) left out; see placeholders in the data report", file=sys.stderr)
     for folder in report.get("skipped_folders", []):
         print(f"prepare: WARNING: skipped {folder['path']}: {folder['reason']}", file=sys.stderr)
     if report.get("changes"):

@@ -137,17 +137,17 @@ def test_a_killed_prepare_continues_where_it_stopped(tmp_path):
 
 
 def _journal_of_three(work: Path, wanted: dict, image: np.ndarray):
-    """An open journal holding three decoded images: keys 0-2, pixels `image + key`."""
-    from cnnpipe.data.ingest import Journal
+    """An open journal (two frames a segment) holding three decoded images: keys 0-2, pixels `image + key`."""
+    from cnnpipe.data.journal import Journal
 
-    journal = Journal(work, wanted)
+    journal = Journal(work, wanted, rows_per_segment=2)
     for key in range(3):
         journal.record(key, bytes([key]) * 32, image + key, None)
     return journal
 
 
 def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
-    from cnnpipe.data.ingest import Journal
+    from cnnpipe.data.journal import Journal, where
 
     wanted = {"size": 2, "channels": 3}
     image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
@@ -156,51 +156,56 @@ def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
     journal.close()
     with open(tmp_path / "w" / "journal.jsonl", "ab") as fh:  # killed mid-line, after the pixels
         fh.write(b'{"key": 4, "sha256": "04')
-    with open(tmp_path / "w" / "decoded.u8", "ab") as fh:
+    with open(tmp_path / "w" / "segments" / "000001.u8", "ab") as fh:
         fh.write(bytes(7))
 
-    journal = Journal(tmp_path / "w", wanted)
-    assert len(journal) == 4 and journal.rows == 3 and journal.lookup(4) is None
-    assert journal.lookup(1) == (bytes([1]) * 32, 1, None)
+    journal = Journal(tmp_path / "w", wanted, rows_per_segment=2)
+    assert len(journal) == 4 and journal.lookup(4) is None
+    assert journal.lookup(1) == (bytes([1]) * 32, where(0, 1), None)
     assert journal.lookup(3) == (bytes([3]) * 32, -1, "cannot be decoded")
-    assert journal.record(4, bytes([4]) * 32, image + 4, None) == 3
-    assert np.array_equal(journal.pixels(1), image + 1) and np.array_equal(journal.pixels(3), image + 4)
+    assert (tmp_path / "w" / "segments" / "000001.u8").stat().st_size == 12  # the torn bytes cut off
+    assert journal.record(4, bytes([4]) * 32, image + 4, None) == where(2, 0)  # a new segment, never a reopened one
+    assert np.array_equal(journal.pixels(where(0, 1)), image + 1)
+    assert np.array_equal(journal.pixels(where(2, 0)), image + 4)
     journal.record(0, bytes([9]) * 32, image + 9, None)  # journalled again: the last line counts
     journal.close()
-    journal = Journal(tmp_path / "w", wanted)
-    assert len(journal) == 5 and journal.lookup(4) == (bytes([4]) * 32, 3, None)
-    assert journal.lookup(0) == (bytes([9]) * 32, 4, None)
+    journal = Journal(tmp_path / "w", wanted, rows_per_segment=2)
+    assert len(journal) == 5 and journal.lookup(4) == (bytes([4]) * 32, where(2, 0), None)
+    assert journal.lookup(0) == (bytes([9]) * 32, where(2, 1), None)
     journal.close()
-    journal = Journal(tmp_path / "w", {"size": 4, "channels": 3})
+    journal = Journal(tmp_path / "w", {"size": 4, "channels": 3}, rows_per_segment=2)
     assert len(journal) == 0  # another recipe starts over
     journal.close()
 
 
-def test_a_journal_whose_last_frame_was_cut_decodes_that_image_again(tmp_path):
-    from cnnpipe.data.ingest import Journal
+def test_a_journal_whose_last_frame_was_cut_decodes_that_image_again_and_never_truncates_a_shared_file(tmp_path):
+    from cnnpipe.data.journal import Journal, where
 
     wanted = {"size": 2, "channels": 3}
     image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
     _journal_of_three(tmp_path / "w", wanted, image).close()
     lines = (tmp_path / "w" / "journal.jsonl").read_text().splitlines()
     assert len(lines) == 3  # close() wrote the lines its fsync made safe
-    pixels = tmp_path / "w" / "decoded.u8"
-    with open(pixels, "r+b") as fh:  # a power cut kept the lines but not the last frame's blocks
-        fh.truncate(2 * 12 + 5)
+    first = tmp_path / "w" / "segments" / "000000.u8"
+    os.link(first, tmp_path / "shard-in-a-store.u8")  # a store took this segment as a shard
+    with open(first, "r+b") as fh:  # a power cut kept the lines but not the last frame's blocks
+        fh.truncate(12 + 5)
 
-    journal = Journal(tmp_path / "w", wanted)
-    assert len(journal) == 2 and journal.rows == 2 and journal.lookup(2) is None
-    assert pixels.stat().st_size == 2 * 12  # the torn frame is cut, never padded with zeros
-    assert journal.record(2, bytes([2]) * 32, image + 2, None) == 2
-    assert np.array_equal(journal.pixels(2), image + 2) and np.array_equal(journal.pixels(1), image + 1)
+    journal = Journal(tmp_path / "w", wanted, rows_per_segment=2)
+    assert len(journal) == 1 and journal.lookup(1) is None and journal.lookup(2) is None  # and what followed
+    assert first.stat().st_size == 12  # the torn frame is cut, never padded with zeros...
+    assert (tmp_path / "shard-in-a-store.u8").stat().st_size == 12 + 5  # ...in a new file: the store's is untouched
+    assert journal.record(1, bytes([1]) * 32, image + 1, None) == where(2, 0)
+    assert np.array_equal(journal.pixels(where(2, 0)), image + 1) and np.array_equal(journal.pixels(where(0, 0)), image)
     journal.close()
 
 
-def test_a_worker_killed_mid_decode_is_a_clear_error_and_nothing_is_lost(tmp_path):
+def test_a_worker_killed_mid_decode_costs_no_file_and_the_prepare_finishes(tmp_path):
+    """The OOM killer takes a decoding worker: the file it was on is decoded again alone (it was not
+    the file's fault), the rest of its chunk goes to a fresh worker, and nothing is listed as bad."""
     root = tmp_path / "catalog"
     make_catalog(root, 0, 600, side=400)
-    params = _params(tmp_path, root, workers=2)
-    proc = _start_prepare(tmp_path, params)
+    proc = _start_prepare(tmp_path, _params(tmp_path, root, workers=2))
     deadline = time.monotonic() + 120
     while _journal_lines(tmp_path) < 40 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -209,17 +214,11 @@ def test_a_worker_killed_mid_decode_is_a_clear_error_and_nothing_is_lost(tmp_pat
                if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
     assert workers, "expected decoding worker processes"
     os.kill(int(workers[-1]), signal.SIGKILL)  # what the OOM killer does
-    _, err = proc.communicate(timeout=120)  # no hang
-    assert proc.returncode == 2
-    assert "a decoding worker died" in err and "continues from there" in err and "data.prepare_workers" in err
-    kept = _journal_lines(tmp_path)
-    assert kept >= 40 and not (tmp_path / "p").exists()
-
-    rerun = _start_prepare(tmp_path, params)
-    out, err = rerun.communicate(timeout=300)
-    assert rerun.returncode == 0, err
+    _, err = proc.communicate(timeout=300)  # no hang, no error
+    assert proc.returncode == 0, err
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["work"]["resumed"] >= kept - 1 and sum(report["splits"].values()) == 600
+    assert report["num_bad"] == 0 and sum(report["splits"].values()) == 600
+    assert report["work"]["decoded"] == 600
 
 
 # ---------------------------------------------------------------- manifests
@@ -271,19 +270,31 @@ def test_a_manifests_bad_rows_are_all_named_before_any_decoding(tmp_path):
         "img/000.jpg,red,train\n"
         "img/001.jpg,,train\n"           # empty label
         "img/002.jpg,red,holdout\n"      # unknown split
-        "img/missing.jpg,blue,\n"        # no such file
-        "img/003.jpg,blue,test,sku,more\n"  # too many columns
+        "img/missing.jpg,blue,\n"        # no such file: the image's problem, not the manifest's
+        "img/003.jpg,blue,test,sku,acme,more\n"  # too many columns
         "img/004.jpg,blue\n")
     cfg = DataConfig(source=str(export / "catalog.csv"), stored_size=16, image_size=16)
     with pytest.raises(DataError) as err:
         prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     message = str(err.value)
-    assert "4 bad row(s)" in message
+    assert "3 bad row(s)" in message and "missing.jpg" not in message
     assert "catalog.csv:3: img/001.jpg: empty label" in message
     assert "catalog.csv:4: img/002.jpg: unknown split 'holdout'" in message
-    assert "catalog.csv:5: img/missing.jpg: file not found" in message
-    assert "catalog.csv:6: 5 columns" in message
+    assert "catalog.csv:6: 6 columns" in message
     assert not (tmp_path / "p").exists() and not (tmp_path / "p.work").exists()
+
+
+def test_a_manifest_row_whose_file_is_missing_follows_on_bad_image(tmp_path):
+    export = _manifest_tree(tmp_path)
+    rows = [f"img/{i:03d}.jpg,{'red' if i % 2 else 'blue'}," for i in range(40)] + ["img/gone.jpg,red,"]
+    (export / "catalog.csv").write_text("\n".join(rows) + "\n")
+    cfg = DataConfig(source=str(export / "catalog.csv"), stored_size=16, image_size=16, prepare_workers=1)
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    assert report["num_bad"] == 1 and sum(report["splits"].values()) == 40
+    assert report["bad_files"][0]["path"] == "img/gone.jpg" and "file not found" in report["bad_files"][0]["reason"]
+    with pytest.raises(DataError, match=r"1 unusable image\(s\).*\n  img/gone.jpg: file not found"):
+        prepare(DataConfig(source=str(export / "catalog.csv"), on_bad_image="fail"), 0, tmp_path / "q", tmp_path / "r.json")
+    assert not (tmp_path / "q.work").exists()  # refused before anything was decoded
 
 
 def test_the_flat_folder_error_offers_a_manifest(tmp_path):

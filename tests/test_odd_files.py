@@ -25,7 +25,7 @@ def _sources(store: Path, split: str) -> list[str]:
     return [json.loads(line)["source"] for line in (store / f"{split}_meta.jsonl").read_text().splitlines()]
 
 
-def test_odd_files_are_each_listed_with_their_reason_and_the_rest_is_prepared(tmp_path, monkeypatch):
+def test_odd_files_are_each_listed_with_their_reason_and_the_rest_is_prepared(tmp_path):
     root = tmp_path / "catalog"
     _two_classes(root)
     # A name that is not UTF-8 (a Latin-1 export): kept by the OS as bytes, refused by name.
@@ -35,8 +35,25 @@ def test_odd_files_are_each_listed_with_their_reason_and_the_rest_is_prepared(tm
     os.symlink("..", root / "bags" / "loop")
     # A 1 x 200,000 strip: resized whole at 16 px it would need 51M pixels, over data.max_pixels.
     save_image(root / "shoes" / "strip.png", np.full((1, 200_000, 3), 90, np.uint8))
-    # A file whose EXIF handling raises what the old code did not catch (Pillow has raised TypeError).
-    save_image(root / "bags" / "odd exif.png", colour_image(7, (37, 23)))
+    cfg = DataConfig(source=str(root), stored_size=16, image_size=16, max_pixels=1_000_000, prepare_workers=1)
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+
+    bad = {b["path"]: b["reason"] for b in report["bad_files"]}
+    assert set(bad) == {"shoes/caf\\xe9.png"}, bad
+    assert "not valid UTF-8" in bad["shoes/caf\\xe9.png"]
+    assert report["skipped_folders"] == [{"path": "bags/loop", "reason": "a symlink to a folder above it (a loop): "
+                                                                         "not followed"}]
+    assert sum(report["splits"].values()) == 12 + 1  # the twelve photos and the strip, each once
+    stored = [s for split in ("train", "val", "test") for s in _sources(tmp_path / "p", split)]
+    assert "shoes/strip.png" in stored and len(stored) == len(set(stored))
+    json.loads((tmp_path / "r.json").read_text())  # the report is valid JSON whatever the names
+
+
+def test_any_exception_a_codec_raises_is_that_files_reason(tmp_path, monkeypatch):
+    """Pillow's EXIF handling has raised TypeError on odd files: the file is listed with it, never a crash."""
+    from cnnpipe.data.workers import ingest_file
+
+    path = save_image(tmp_path / "odd exif.png", colour_image(7, (37, 23)))
     real_transpose = ImageOps.exif_transpose
 
     def transpose(img: Image.Image, **kwargs):
@@ -44,20 +61,9 @@ def test_odd_files_are_each_listed_with_their_reason_and_the_rest_is_prepared(tm
             raise TypeError("'NoneType' object is not subscriptable")
         return real_transpose(img, **kwargs)
 
-    monkeypatch.setattr(ImageOps, "exif_transpose", transpose)  # one worker: decoding runs in this process
-    cfg = DataConfig(source=str(root), stored_size=16, image_size=16, max_pixels=1_000_000, prepare_workers=1)
-    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
-
-    bad = {b["path"]: b["reason"] for b in report["bad_files"]}
-    assert set(bad) == {"shoes/caf\\xe9.png", "bags/odd exif.png"}, bad
-    assert "not valid UTF-8" in bad["shoes/caf\\xe9.png"]
-    assert bad["bags/odd exif.png"].startswith("cannot be decoded: TypeError")
-    assert report["skipped_folders"] == [{"path": "bags/loop", "reason": "a symlink to a folder above it (a loop): "
-                                                                         "not followed"}]
-    assert sum(report["splits"].values()) == 12 + 1  # the twelve photos and the strip, each once
-    stored = [s for split in ("train", "val", "test") for s in _sources(tmp_path / "p", split)]
-    assert "shoes/strip.png" in stored and len(stored) == len(set(stored))
-    json.loads((tmp_path / "r.json").read_text())  # the report is valid JSON whatever the names
+    monkeypatch.setattr(ImageOps, "exif_transpose", transpose)  # the decoding function, run in this process
+    digest, image, reason, known = ingest_file(str(path), 16, 10**6, None)
+    assert image is None and not known and reason.startswith("cannot be decoded: TypeError")
 
 
 def test_a_strip_is_resized_from_its_centre_square_never_whole(monkeypatch):

@@ -124,7 +124,8 @@ def _fake_store(store: Path, members: dict[str, list[str]]) -> None:
 def test_split_changes_and_leakage_count_what_sets_of_hashes_would(tmp_path):
     """The sorted-array versions against plain set arithmetic, with images moved (a new seed or
     fraction), gained, lost, duplicated within a split, and in two splits at once."""
-    from cnnpipe.data.prepare import _leakage, split_changes
+    from cnnpipe.data.previous import Tree
+    from cnnpipe.data.report import leakage, split_changes
 
     rng = np.random.default_rng(0)
     pool = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)).hex() for _ in range(400)] + ["ab" * 31 + "00"]
@@ -139,9 +140,9 @@ def test_split_changes_and_leakage_count_what_sets_of_hashes_would(tmp_path):
     expected = {"splits": {s: {"gained": len(set(after[s]) - set(before[s])),
                                "lost": len(set(before[s]) - set(after[s]))} for s in before},
                 "moved_between_splits": sum(where.get(d, s) != s for s in after for d in set(after[s]))}
-    changes = split_changes(tmp_path / "old", tmp_path / "new")
+    changes = split_changes(Tree(tmp_path / "old"), tmp_path / "new")
     assert changes == expected and changes["moved_between_splits"] > 0
-    assert split_changes(tmp_path / "none", tmp_path / "new") is None
+    assert split_changes(None, tmp_path / "new") is None
 
     items = [(s, d, f"{s}/{j}.png") for s in ("train", "val", "test") for j, d in enumerate(after[s])]
     first: dict[str, dict[str, str]] = {}
@@ -151,7 +152,7 @@ def test_split_changes_and_leakage_count_what_sets_of_hashes_would(tmp_path):
                       for d, f in sorted(first.items()) if len(f) > 1]
     digests = np.frombuffer(b"".join(bytes.fromhex(d) for _, d, _ in items), dtype="S32")
     codes = np.array([("train", "val", "test").index(s) for s, _, _ in items], dtype=np.int8)
-    leaks = _leakage(digests, codes, lambda j: items[j][2])
+    leaks = leakage(digests, codes, lambda j: items[j][2])
     assert leaks == expected_leaks and len(leaks) > 10
 
 
@@ -254,7 +255,7 @@ def test_one_class_tree_is_a_clear_error(tmp_path):
         prepare(DataConfig(source=str(tmp_path)), 0, tmp_path / "out", tmp_path / "r.json")
 
 
-def test_predefined_splits_are_kept_and_leakage_reported(tmp_path):
+def test_predefined_splits_are_kept_and_a_copy_in_train_joins_its_test_twin(tmp_path):
     root = tmp_path / "tree"
     seed = 0
     for split, n in (("train", 6), ("validation", 2), ("test", 2)):
@@ -262,13 +263,15 @@ def test_predefined_splits_are_kept_and_leakage_reported(tmp_path):
             for i in range(n):
                 seed += 1
                 save_image(root / split / cls / f"{i}.png", colour_image(seed))
-    # the same bytes in train and test: leakage
+    # the same bytes in train and test: the train copy is a test image the model would see
     (root / "test" / "a" / "copy.png").write_bytes((root / "train" / "a" / "0.png").read_bytes())
     cfg = DataConfig(source=str(root), stored_size=16, image_size=16)
     report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     assert report["predefined_splits"] is True
-    assert report["splits"] == {"train": 12, "val": 4, "test": 5}
-    assert len(report["leakage"]) == 1 and report["leakage"][0]["splits"] == ["test", "train"]
+    assert report["splits"] == {"train": 11, "val": 4, "test": 6}
+    assert report["moved_to_join_a_copy_or_group"] == 1 and report["leakage"] == []
+    test = [json.loads(line)["source"] for line in (tmp_path / "p" / "test_meta.jsonl").read_text().splitlines()]
+    assert "train/a/0.png" in test
 
 
 def test_a_split_folder_of_images_without_class_folders_fails_at_once(tmp_path):

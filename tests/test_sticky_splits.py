@@ -1,14 +1,22 @@
-"""Splits that never leak across weekly catalog updates (re-encodes, a growing small class, twins)."""
+"""Splits that never leak across weekly catalog updates: the split ledger (absences, fresh clones,
+resets), re-encodes, a growing small class, twins, placeholders, label conflicts and relabels."""
 
+import dataclasses
 import hashlib
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+import yaml
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.prepare import prepare
+from cnnpipe.data.prepare import DataError, prepare
 from cnnpipe.data.split import hashed_unit
+from cnnpipe.data.store import suppliers
 from conftest import colour_image, save_image
 
 
@@ -64,11 +72,11 @@ def test_two_weeks_of_updates_never_put_an_old_test_photo_in_train(tmp_path):
     conflict = report["label_conflicts"][0]
     assert conflict["labels"] == ["bags", "shoes"] and conflict["split"] == "test"
     assert sorted(conflict["paths"]) == ["bags/twin.jpg", twin_of] and "bags/twin.jpg" in week2["test"]
-    kept = report["kept_from_previous_store"]
+    kept = report["ledger"]
     changed = [rel for rel in resaved if hashlib.sha256((root / rel).read_bytes()).hexdigest() not in
                {h for s in week1.values() for h in s.values()}]
-    assert kept["kept_by_path_after_new_bytes"] == len(changed) == len(resaved)
-    assert kept["kept_by_content"] == sum(len(s) for s in week1.values()) - len(resaved) + 1  # + the twin
+    assert kept["known_by_path_after_new_bytes"] == len(changed) == len(resaved)
+    assert kept["known_by_content"] == sum(len(s) for s in week1.values()) - len(resaved) + 1  # + the twin
     assert report["splits"]["test"] >= len(week1["test"]) + 1
     # Week 3: a test photo is re-exported with bytes whose hash alone says train, and a copy of those
     # bytes arrives under a new name: the photo keeps test by its path, and the copy goes with it.
@@ -119,18 +127,209 @@ def test_a_capped_split_changes_by_the_new_photos_not_a_redraw():
     assert np.array_equal(stable_cap(labels, digests, None, seed=3), np.arange(1100))
 
 
-def test_a_new_seed_or_new_fractions_redraw_the_splits(tmp_path):
+def test_a_new_seed_or_new_fractions_draw_only_new_photos_and_a_reset_redraws_all(tmp_path):
     root = tmp_path / "catalog"
     for i in range(40):
         _photo(root, "shoes", i)
         _photo(root, "bags", i)
-    prepare(DataConfig(source=str(root), stored_size=16, image_size=16, prepare_workers=1), 0,
-            tmp_path / "p", tmp_path / "r.json")
-    report = prepare(DataConfig(source=str(root), stored_size=16, image_size=16, prepare_workers=1,
-                                val_fraction=0.3), 0, tmp_path / "p", tmp_path / "r.json")
-    assert report["kept_from_previous_store"]["split_rule_changed"] is True
-    assert report["kept_from_previous_store"]["kept_by_content"] == 0
-    assert report["changes"]["moved_between_splits"] > 0 and report["splits"]["val"] > 12
+    cfg = DataConfig(source=str(root), stored_size=16, image_size=16, prepare_workers=1)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    before = _store(tmp_path / "p")
+    for i in range(40, 60):
+        _photo(root, "shoes", i)
+    wider = dataclasses.replace(cfg, val_fraction=0.4)
+    report = prepare(wider, 1, tmp_path / "p", tmp_path / "r.json")  # a new seed too
+    after = _store(tmp_path / "p")
+    assert report["ledger"]["rule_changed"] is True and report["changes"]["moved_between_splits"] == 0
+    assert all(set(before[s]) <= set(after[s]) for s in before)  # the known photos keep their splits
+    new = {f"shoes/{i:03d}.jpg" for i in range(40, 60)}
+    assert len(new & set(after["val"])) >= 4  # drawn by the new rule: 40% val
+
+    redraw = dataclasses.replace(wider, split_reset="2024-06 rebalance")
+    report = prepare(redraw, 1, tmp_path / "p", tmp_path / "r.json")
+    assert report["ledger"]["reset"] == "2024-06 rebalance" and report["changes"]["moved_between_splits"] > 0
+    assert len(_store(tmp_path / "p")["val"]) > 30
+    assert report["train_images_once_held_out"] > 0  # the ledger remembers what the reset let back
+    again = prepare(redraw, 1, tmp_path / "p", tmp_path / "r.json")  # the same name: recorded, not redone
+    assert again["ledger"]["reset"] is None and again["changes"]["moved_between_splits"] == 0
+    assert again["ledger"]["records_added"] == 0 and again["ledger"]["segments"] == 3
+
+
+def _export(root: Path, week: int, quality: int = 95) -> None:
+    """200 photos of two classes, exported at `quality` (a new export: new bytes, same paths)."""
+    for i in range(200):
+        cls = "shoes" if i % 2 else "bags"
+        save_image(root / cls / f"{i:03d}.jpg", colour_image(SEEDS[cls] + i, (24, 24)), quality=quality)
+
+
+def test_a_photo_absent_for_a_week_keeps_its_test_split_when_it_returns(tmp_path):
+    """Re-exported test photos keep test by path; out of stock a week later; back the week after."""
+    root = tmp_path / "catalog"
+    cfg = DataConfig(source=str(root), stored_size=8, image_size=8, prepare_workers=1)
+    _export(root, 1)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    week1 = _store(tmp_path / "p")
+    _export(root, 2, quality=70)  # every photo re-exported
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    assert {s: set(v) for s, v in _store(tmp_path / "p").items()} == {s: set(v) for s, v in week1.items()}
+    away = {rel: (root / rel).read_bytes() for rel in week1["test"]}
+    for rel in away:
+        (root / rel).unlink()
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    for rel, data in away.items():  # back in the catalog
+        (root / rel).write_bytes(data)
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    week4 = _store(tmp_path / "p")
+    assert set(week4["test"]) == set(week1["test"]) and not set(away) & set(week4["train"])
+    assert report["ledger"]["known_by_content"] == 200
+
+
+def test_a_fresh_clone_with_the_ledger_but_no_store_draws_the_same_splits(tmp_path):
+    root = tmp_path / "catalog"
+    cfg = DataConfig(source=str(root), stored_size=8, image_size=8, prepare_workers=1)
+    _export(root, 1)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    _export(root, 2, quality=70)  # new bytes: the hash alone would draw ~80% of the test photos again
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    grown = _store(tmp_path / "p")
+    clone = tmp_path / "clone"
+    shutil.copytree(tmp_path / "p_ledger", clone / "ledger")  # what `dvc pull data/split_ledger` brings
+    report = prepare(cfg, 0, clone / "prepared", clone / "r.json", ledger_dir=clone / "ledger")
+    assert report["work"]["decoded"] == 200 and report["ledger"]["records_added"] == 0
+    assert {s: set(v) for s, v in _store(clone / "prepared").items()} == {s: set(v) for s, v in grown.items()}
+    scratch = prepare(cfg, 0, tmp_path / "scratch", tmp_path / "r2.json")  # no ledger at all: drawn afresh
+    assert set(_store(tmp_path / "scratch")["test"]) != set(grown["test"])
+    assert scratch["ledger"]["segments"] == 1
+
+
+def test_a_fresh_clone_whose_dvc_lock_names_a_ledger_it_lacks_refuses_with_the_fix(tmp_path):
+    project = tmp_path / "project"
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=project.mkdir() or project, check=True)
+    (project / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"prepare": {"cmd": "x", "outs": [
+        {"path": "data/split_ledger", "hash": "md5", "md5": "0" * 32 + ".dir", "size": 10, "nfiles": 3}]}}}))
+    root = tmp_path / "catalog"
+    _export(root, 1)
+    cfg = DataConfig(source=str(root), stored_size=8, image_size=8, prepare_workers=1)
+    data = project / "data"
+    with pytest.raises(DataError) as err:
+        prepare(cfg, 0, data / "prepared", tmp_path / "r.json", ledger_dir=data / "split_ledger")
+    assert "dvc.lock records data/split_ledger" in str(err.value) and "dvc pull" in str(err.value)
+    assert "data.split_reset" in str(err.value) and not (data / "prepared").exists()
+    reset = dataclasses.replace(cfg, split_reset="new machine")  # starting over on purpose is allowed
+    assert prepare(reset, 0, data / "prepared", tmp_path / "r.json", ledger_dir=data / "split_ledger")["ledger"][
+        "reset"] == "new machine"
+
+
+def test_one_blank_manifest_cell_moves_nothing(tmp_path):
+    """Week 1 marks every row train (val and test are carved from them); week 2 leaves one cell blank."""
+    export = tmp_path / "export"
+    for i in range(100):
+        save_image(export / "img" / f"{i:03d}.png", colour_image(i, (12, 12)))
+    lines = [f"img/{i:03d}.png,{'red' if i % 2 else 'blue'},train" for i in range(100)]
+    (export / "catalog.csv").write_text("\n".join(lines) + "\n")
+    cfg = DataConfig(source=str(export / "catalog.csv"), stored_size=8, image_size=8, prepare_workers=1)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    week1 = _store(tmp_path / "p")
+    assert week1["test"] and week1["val"]
+    lines[50] = lines[50][: -len("train")]
+    (export / "catalog.csv").write_text("\n".join(lines) + "\n")
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    assert {s: set(v) for s, v in _store(tmp_path / "p").items()} == {s: set(v) for s, v in week1.items()}
+    assert report["changes"]["moved_between_splits"] == 0 and report["leakage"] == []
+
+
+def test_sixty_groups_sharing_one_placeholder_keep_their_splits(tmp_path):
+    """Each product group carries the same "coming soon" image: a placeholder, not a link."""
+    export = tmp_path / "export"
+    rows = []
+    for g in range(60):
+        for k in range(3):
+            i = 3 * g + k
+            save_image(export / "img" / f"{i:04d}.png", colour_image(i, (12, 12)))
+            rows.append(f"img/{i:04d}.png,{('shoes', 'bags', 'hats')[g % 3]},,sku{g}")
+    for i in range(180, 600):
+        save_image(export / "img" / f"{i:04d}.png", colour_image(i, (12, 12)))
+        rows.append(f"img/{i:04d}.png,{('shoes', 'bags', 'hats')[i % 3]},,")
+    (export / "catalog.csv").write_text("\n".join(rows) + "\n")
+    cfg = DataConfig(source=str(export / "catalog.csv"), stored_size=8, image_size=8, prepare_workers=1)
+    prepare(cfg, 0, tmp_path / "without", tmp_path / "r.json")
+    save_image(export / "img" / "coming_soon.png", np.full((12, 12, 3), 200, np.uint8))
+    for g in range(60):
+        (export / "img" / f"soon{g}.png").write_bytes((export / "img" / "coming_soon.png").read_bytes())
+        rows.append(f"img/soon{g}.png,{('shoes', 'bags', 'hats')[g % 3]},,sku{g}")
+    (export / "catalog.csv").write_text("\n".join(rows) + "\n")
+    report = prepare(cfg, 0, tmp_path / "with", tmp_path / "r.json")
+    without, with_ = _store(tmp_path / "without"), _store(tmp_path / "with")
+    assert {s: set(v) for s, v in with_.items()} == {s: set(v) for s, v in without.items()}
+    assert report["num_placeholders"] == 1 and report["placeholders"][0]["files"] == 60
+    assert report["placeholders"][0]["groups"] == 60 and report["placeholders"][0]["labels"] == 3
+
+
+@pytest.mark.parametrize("action", ["hold_out", "quarantine"])
+def test_a_label_conflicts_copies_leave_train(tmp_path, action):
+    root = tmp_path / "catalog"
+    for i in range(30):
+        _photo(root, "shoes", i)
+        _photo(root, "bags", i)
+    cfg = DataConfig(source=str(root), stored_size=8, image_size=8, prepare_workers=1, label_conflicts=action)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    photo = min(_store(tmp_path / "p")["train"])  # in train, and so its copy by content
+    copy = root / ("bags" if photo.startswith("shoes") else "shoes") / "copy.jpg"
+    copy.write_bytes((root / photo).read_bytes())
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    store = _store(tmp_path / "p")
+    where = {path: split for split, items in store.items() for path in items}
+    pair = {photo, copy.relative_to(root).as_posix()}
+    assert report["num_label_conflicts"] == 1 and set(report["label_conflicts"][0]["paths"]) == pair
+    assert {where.get(p) for p in pair} == ({"test"} if action == "hold_out" else {None})
+    assert report["leakage"] == []
+
+
+def test_a_relabel_between_weeks_is_counted_per_class_pair(tmp_path):
+    root = tmp_path / "catalog"
+    for i in range(20):
+        _photo(root, "shoes", i)
+        _photo(root, "bags", i)
+        _photo(root, "hats", i)
+    cfg = DataConfig(source=str(root), stored_size=8, image_size=8, prepare_workers=1)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    for i in range(3):  # three shoes were bags all along, one hat was a bag
+        (root / "shoes" / f"{i:03d}.jpg").rename(root / "bags" / f"from_shoes_{i}.jpg")
+    (root / "hats" / "000.jpg").rename(root / "bags" / "from_hats.jpg")
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    assert report["relabels"] == [{"from": "shoes", "to": "bags", "images": 3}, {"from": "hats", "to": "bags", "images": 1}]
+    assert json.loads((tmp_path / "r.json").read_text())["relabels"] == report["relabels"]
+    assert report["changes"]["moved_between_splits"] == 0
+
+
+def test_a_held_out_photo_the_source_moves_into_train_is_refused_unless_a_reset_asks(tmp_path):
+    root = tmp_path / "tree"
+    for split, n in (("train", 12), ("val", 3), ("test", 3)):
+        for cls in ("shoes", "bags"):
+            for i in range(n):
+                save_image(root / split / cls / f"{split}{i}.png", colour_image(SEEDS[cls] + len(split) * 100 + i, (12, 12)))
+    cfg = DataConfig(source=str(root), stored_size=8, image_size=8, prepare_workers=1)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    (root / "test" / "bags" / "test0.png").rename(root / "train" / "bags" / "test0.png")
+    with pytest.raises(DataError, match=r"(?s)1 image\(s\) the split ledger holds out.*train/bags/test0.png \(held out "
+                                        r"in test\).*data.split_reset"):
+        prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    report = prepare(dataclasses.replace(cfg, split_reset="moved by hand"), 0, tmp_path / "p", tmp_path / "r.json")
+    assert "train/bags/test0.png" in _store(tmp_path / "p")["train"] and report["ledger"]["reset"] == "moved by hand"
+
+
+def test_a_manifests_suppliers_are_kept_per_image(tmp_path):
+    export = tmp_path / "export"
+    rows = ["title,path,supplier,label"]  # a header names the columns, in any order; others are ignored
+    for i in range(40):
+        save_image(export / "img" / f"{i:03d}.png", colour_image(i, (12, 12)))
+        rows.append(f"item {i},img/{i:03d}.png,{'acme' if i % 3 else ''},{'red' if i % 2 else 'blue'}")
+    (export / "catalog.csv").write_text("\n".join(rows) + "\n")
+    cfg = DataConfig(source=str(export / "catalog.csv"), stored_size=8, image_size=8, prepare_workers=1)
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    for split, sources in _store(tmp_path / "p").items():
+        expected = [None if int(p[4:7]) % 3 == 0 else "acme" for p in sources]
+        assert suppliers(tmp_path / "p", split) == expected
 
 
 def test_every_photo_of_a_group_lands_in_one_split(tmp_path):

@@ -54,6 +54,21 @@ class DataConfig:
     shard_mb: float = 64
     """Size of a full shard of the prepared store, in MiB (MDS and LitData default to 64): a full shard
     is never rewritten, so each update's new images cost about their own bytes in the DVC cache."""
+    split_reset: str | None = None
+    """A name for a redraw of every split. Splits are kept in the split ledger (data/split_ledger) for
+    good: a held-out image never returns to train. A name the ledger has not recorded yet makes the
+    next prepare draw every split again from `seed` and the fractions, and records the redraw under
+    it; null (or a name already recorded): the ledger decides."""
+    placeholder_groups: int = 5
+    """Identical bytes in more than this many groups (an ungrouped photo is a group of its own) or
+    labels are a placeholder ("image coming soon"): left out of every split and listed, never used to
+    keep groups together."""
+    label_conflicts: Literal["hold_out", "quarantine"] = "hold_out"
+    """Identical bytes under several labels (one is wrong): `hold_out` puts every copy in the most
+    held-out split any copy has (test when all were in train); `quarantine` leaves them all out."""
+    decode_timeout_s: float = 60
+    """Seconds one image file may take to decode; a file over it (or one that kills its decoding
+    process) is retried once alone, then listed as bad."""
 
     def __post_init__(self) -> None:
         for key in ("image_size", "stored_size"):
@@ -75,6 +90,12 @@ class DataConfig:
                 reject("data.group_pattern", self.group_pattern, f"a valid regex ({exc})")
         if not (isinstance(self.shard_mb, (int, float)) and 0.01 <= self.shard_mb <= 4096):
             reject("data.shard_mb", self.shard_mb, "a size in MiB in [0.01, 4096]")
+        if self.split_reset is not None and not str(self.split_reset).strip():
+            reject("data.split_reset", self.split_reset, "null or a non-empty name for the redraw")
+        if self.placeholder_groups < 2:
+            reject("data.placeholder_groups", self.placeholder_groups, "an integer >= 2")
+        if not 1 <= self.decode_timeout_s <= 86_400:
+            reject("data.decode_timeout_s", self.decode_timeout_s, "seconds in [1, 86400]")
         if self.max_pixels < 64:
             reject("data.max_pixels", self.max_pixels, "an integer >= 64")
         if self.prepare_workers != "auto" and not (isinstance(self.prepare_workers, int) and self.prepare_workers >= 1):

@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from cnnpipe.data.store import PreparedSplit
+from cnnpipe.data.store import PreparedSplit, ShardedImages
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -41,19 +42,30 @@ class AugmentConfig:
     hflip: bool = True
 
 
+def shard_local_order(shards: np.ndarray, window: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation visiting the items' shards in a random order, `window` shards at a time, items
+    shuffled within each window: a batch reads a few shards (WebDataset's and MDS's block shuffles)."""
+    ids, inverse = np.unique(shards, return_inverse=True)
+    rank = np.argsort(rng.permutation(len(ids)))  # each shard's place in a random order of the shards
+    return np.lexsort((rng.random(len(shards)), rank[inverse.reshape(-1)] // max(1, window)))
+
+
 class ShardSampler(Sampler[list[int]]):
     """Batches of indices for one rank: a fresh permutation each epoch, sharded across ranks.
 
     Training (`drop_last`) gives every rank the same number of full batches; evaluation keeps every
     item exactly once across ranks (shards may differ in length by one). `per_epoch` draws only the
-    first that many items of each epoch's permutation: a fresh random subset every epoch.
+    first that many items of each epoch's permutation: a fresh random subset every epoch. Given each
+    item's shard (`shards`), the permutation is `shard_local_order`, for stores larger than memory.
     """
 
     def __init__(self, n: int, batch_size: int, *, shuffle: bool, drop_last: bool, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, per_epoch: int | None = None) -> None:
+                 rank: int = 0, world_size: int = 1, per_epoch: int | None = None,
+                 shards: np.ndarray | None = None, window: int = 8) -> None:
         self.total, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
         self.n = n if per_epoch is None else min(n, per_epoch)
         self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
+        self.shards, self.window = shards, window
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -61,7 +73,11 @@ class ShardSampler(Sampler[list[int]]):
     def shard(self) -> np.ndarray:
         """This rank's indices for the current epoch."""
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.total)[: self.n]
+            rng = np.random.default_rng([self.seed, self.epoch])
+            if self.shards is None:
+                order = rng.permutation(self.total)[: self.n]
+            else:
+                order = shard_local_order(self.shards, self.window, rng)[: self.n]
         else:
             order = np.arange(self.n)
         if self.drop_last:
@@ -80,6 +96,21 @@ class ShardSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         per_rank = self.n // self.world_size if self.drop_last else math.ceil((self.n - self.rank) / self.world_size)
         return per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
+
+
+def shuffle_plan(split: PreparedSplit, batch_size: int, world_size: int = 1,
+                 memory_bytes: int | None = None) -> tuple[np.ndarray | None, int]:
+    """(each item's shard, window) for a shard-local shuffle when the split's pixels exceed half of
+    `memory_bytes` (default: this machine's RAM), where a full permutation reads a page from the disk
+    per image; (None, 0), a full permutation, otherwise. A window holds ~32 global batches."""
+    if not isinstance(split.images, ShardedImages):
+        return None, 0
+    memory_bytes = memory_bytes if memory_bytes is not None else psutil.virtual_memory().total
+    if len(split) * int(np.prod(split.images.frame)) <= memory_bytes // 2:
+        return None, 0
+    shards = split.images.shard_of_each()
+    per_shard = max(1, len(split) // max(1, len(np.unique(shards))))
+    return shards, max(2, math.ceil(32 * batch_size * world_size / per_shard))
 
 
 # --------------------------------------------------------------------------- fast path
@@ -147,8 +178,7 @@ def crop_params(n: int, aug: AugmentConfig, height: int, width: int,
 
     Area uniform in `aug.scale` and aspect ratio log-uniform in `aug.ratio` (torchvision's draws,
     clamped to the image instead of retried), the crop placed uniformly, a fair coin for the flip.
-    One (n, 5) draw and width/height computed as pairs: each op is a kernel launch and a Python round
-    trip per batch, and this is half the ops of five separate draws.
+    One (n, 5) draw, width and height as pairs: half the kernel launches of five separate draws.
     """
     u = torch.rand(n, 5, device=generator.device, generator=generator)
     low, span, size = _crop_constants(aug, height, width, generator.device)
@@ -305,10 +335,8 @@ SHM = Path("/dev/shm")
 def check_shared_memory(num_workers: int, batch_bytes: int, prefetch_factor: int = 2, local_ranks: int = 1) -> None:
     """Loader workers hand their batches over in /dev/shm: fail before training, with what to do,
     when it cannot hold what they keep in flight (a container's default is 64 MB, and running out
-    there is a bus error in a worker, not a message).
-
-    `local_ranks`: the training processes on this node, each with `num_workers` workers of its own,
-    all sharing the node's one /dev/shm.
+    there is a bus error in a worker, not a message). `local_ranks`: the training processes on this
+    node, each with `num_workers` workers of its own, all sharing the node's one /dev/shm.
     """
     if num_workers == 0 or not SHM.is_dir():
         return
@@ -335,8 +363,9 @@ def build_train_loader(split: PreparedSplit, *, kind: str, batch_size: int, aug:
         raise ValueError(f"train.batch_size={batch_size} is larger than the {per_epoch // world_size} training "
                          f"images per process and epoch; lower train.batch_size, raise train.images_per_epoch "
                          f"(or run.budget_minutes) or add data")
+    shards, window = shuffle_plan(split, batch_size, world_size)
     sampler = ShardSampler(len(split), batch_size, shuffle=True, drop_last=True, seed=seed, rank=rank,
-                           world_size=world_size, per_epoch=images_per_epoch)
+                           world_size=world_size, per_epoch=images_per_epoch, shards=shards, window=window)
     extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor} if num_workers > 0 else {}
     # What one batch weighs in /dev/shm: uint8 at the stored size (fast), float32 crops (baseline).
     stored = split.images.shape[1]
@@ -360,9 +389,8 @@ def build_eval_loader(split: PreparedSplit, *, batch_size: int, rank: int = 0, w
                       num_workers: int = 0, pin_memory: bool | None = None) -> DataLoader:
     """Deterministic loader of uint8 batches; each item seen once across ranks.
 
-    `pin_memory` None (the default) pins when CUDA is available: a copy from pageable memory blocks
-    the host, so an unpinned evaluation stalls once per batch. Pass False for a CPU-side consumer on
-    a GPU machine.
+    `pin_memory` None (the default) pins when CUDA is available (a copy from pageable memory blocks
+    the host once per batch); False for a CPU-side consumer on a GPU machine.
     """
     pin_memory = torch.cuda.is_available() and pin_memory is not False
     sampler = ShardSampler(len(split), batch_size, shuffle=False, drop_last=False, rank=rank, world_size=world_size)

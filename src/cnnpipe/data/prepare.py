@@ -1,4 +1,10 @@
-"""The prepare stage: ingest a labelled image set, split it, write the prepared format."""
+"""The prepare stage: ingest a labelled image set, split it, write the prepared store and the split ledger.
+
+Every run writes the new store and ledger beside the old ones and swaps them in (`swap`), reading the
+previous ones where the last run left them: on disk, or in the DVC cache where `dvc.lock` records
+them (`previous`). Image files keep the ledger's splits (`sticky`); Fashion-MNIST's are its published
+test split and a content draw of validation, recorded in the ledger as they are.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import json
 import shutil
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -15,36 +21,22 @@ from tqdm import tqdm
 from cnnpipe.config import DataConfig
 from cnnpipe.data import idx
 from cnnpipe.data.catalog import DataError, Listing, list_source
-from cnnpipe.data.ingest import (
-    RECIPE_FILE,
-    HexDigests,
-    Journal,
-    PreviousStore,
-    digest_at,
-    ingest,
-    read_store_meta,
-    recipe,
-    usable_cores,
-)
+from cnnpipe.data.ingest import Ingested, ingest, recipe, usable_cores
+from cnnpipe.data.journal import Journal
+from cnnpipe.data.keys import HexDigests, digest_at
+from cnnpipe.data.ledger import RECORD, Ledger, records_from_store, write_ledger
+from cnnpipe.data.previous import FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
+from cnnpipe.data.report import leakage, listed, split_changes, split_codes
 from cnnpipe.data.split import content_split
-from cnnpipe.data.sticky import (
-    SPLIT_RULE_FILE,
-    PreviousSplits,
-    colocate,
-    keep_previous,
-    label_conflicts,
-    split_keys,
-    split_rule,
-    stable_cap,
-)
+from cnnpipe.data.sticky import Assigned, assign_splits, split_rule, stable_cap
 from cnnpipe.data.store import SPLITS
-from cnnpipe.data.writer import StoreWriter
+from cnnpipe.data.swap import recover, staged, swap_in
+from cnnpipe.data.writer import StoreWriter, first_serial, rows_per_shard
 from cnnpipe.files import write_json
 
-__all__ = ["DataError", "prepare", "prepare_fashion_mnist", "split_changes"]
+__all__ = ["DataError", "prepare", "prepare_fashion_mnist"]
 
-LISTED = 100
-"""Files listed by name in the data report, per list (all are counted; the rest are in the store)."""
+SPLIT_RULE_FILE = "split_rule.json"
 
 
 # --------------------------------------------------------------------------- Fashion-MNIST
@@ -96,7 +88,7 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
                                                                           "sha256": digest_at(hashes, pos).hex()})
         parts[split] = (images, labels, hashes, positions, file_name)
     written = np.concatenate([hashes[positions] for _, _, hashes, positions, _ in parts.values()])
-    codes = _split_codes([len(positions) for _, _, _, positions, _ in parts.values()])
+    codes = split_codes([len(positions) for _, _, _, positions, _ in parts.values()])
     index = writer.close(list(idx.CLASSES), f"fashion-mnist:{raw_dir}", carved=["val"])
     return {
         "source": "fashion-mnist",
@@ -105,108 +97,33 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
         "classes": list(idx.CLASSES),
         "bad_files": [],
         "num_bad": 0,
-        "leakage": _leakage(written, codes, sources.__getitem__),
+        "leakage": leakage(written, codes, sources.__getitem__),
     }
 
 
 # --------------------------------------------------------------------------- ImageFolder trees, manifests
-def _assign_splits(listing: Listing, labels: np.ndarray, usable: np.ndarray, digests: np.ndarray,
-                   cfg: DataConfig, seed: int, previous: PreviousSplits,
-                   classes: list[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Positions per split, and what the data report says of them: the source's own splits kept,
-    missing ones carved out by content (`content_split`: a new photo never moves an old one), then
-    made sticky and kept together (`sticky`: what the previous store held keeps its split, re-encodes
-    too; copies and groups go to the most held-out split of any member); unusable images take no part.
-
-    Only images without a given split are carved: a manifest row marked `train` stays in train. A
-    source that marks every image (a tree with train/ but no test/, a manifest without blank split
-    cells) has its missing splits carved out of its train images instead."""
-    given = listing.entries.split_names(default="")
-    names = np.where(given == "", "train", given).astype(object)
-    carved = [(s, f) for s, f in (("test", cfg.test_fraction), ("val", cfg.val_fraction))
-              if s not in listing.given_splits]
-    # The images whose split `prepare` assigns: the unmarked ones, or, in a source that marks all,
-    # its train images when a split is missing (nothing else moves a split the source gives).
-    unmarked = given == ""
-    pool = np.flatnonzero(usable & (unmarked if unmarked.any() else (given == "train") & bool(carved)))
-    groups = listing.entries.group_codes()
-    report: dict[str, Any] = {"label_conflicts": [], "num_label_conflicts": 0}
-    if len(pool):
-        paths = listing.entries.paths
-        if carved:
-            keys = split_keys(digests, groups, listing.entries.group_keys())
-            names[pool] = content_split(HexDigests(keys[pool]), labels[pool], carved, seed)
-        report["kept_from_previous_store"] = {**keep_previous(names, pool, digests, paths, previous),
-                                              "split_rule_changed": not previous.same_rule}
-        movable = np.zeros(len(names), dtype=bool)
-        movable[pool] = True
-        members = np.flatnonzero(usable)
-        report["moved_to_join_a_copy_or_group"] = colocate(names, members, movable, digests, groups)
-        report["label_conflicts"], report["num_label_conflicts"] = label_conflicts(
-            names, members, digests, labels, paths, classes)
-        report["groups"] = {"groups": int(groups.max(initial=-1)) + 1,
-                            "photos_in_groups": int(np.sum(groups[members] >= 0))}
-    caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
-    splits = {}
-    for split, cap in caps.items():
-        members = np.flatnonzero(usable & (names == split))
-        splits[split] = members[stable_cap(labels[members], digests[members], cap, seed)]
-    return splits, report
-
-
-def _split_codes(lengths: list[int]) -> np.ndarray:
-    """The split code (position in SPLITS) of every item of splits of these lengths, in SPLITS order."""
-    return np.repeat(np.arange(len(SPLITS), dtype=np.int8), lengths)
-
-
-def _leakage(digests: np.ndarray, codes: np.ndarray, source: Callable[[int], str]) -> list[dict[str, Any]]:
-    """Byte-identical items found in more than one split, by sorting their hashes (40 bytes an item;
-    a dict of hex strings would take ~200). `digests` (S32) and `codes` (into SPLITS) are in the
-    order the store was written, so each split names its first copy; `source(j)` names item j."""
-    order = np.argsort(digests, kind="stable")
-    ordered = digests[order]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-    ends = np.r_[starts[1:], len(order)]
-    found = []
-    for a, b in zip(starts[ends - starts > 1], ends[ends - starts > 1]):
-        first: dict[str, int] = {}
-        for j in order[a:b]:
-            first.setdefault(SPLITS[codes[j]], int(j))
-        if len(first) > 1:
-            names = sorted(first)
-            found.append({"sha256": digest_at(ordered, int(a)).hex(), "splits": names,
-                          "sources": [source(first[n]) for n in names]})
-    return found
-
-
-def _listed(out_dir: Path, bad: list[dict[str, str]], ignored: list[str]) -> dict[str, Any]:
-    """The data report's file lists, the first `LISTED` of each with their counts: the report is
-    git-tracked, and a catalog of millions can hold thousands of them. The whole lists go to
-    `skipped_files.jsonl` in the store, which DVC tracks."""
-    if len(bad) > LISTED or len(ignored) > LISTED:
-        with open(out_dir / "skipped_files.jsonl", "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(b, ensure_ascii=False) + "\n" for b in bad)
-            fh.writelines(json.dumps({"path": path, "reason": "not an image file"}, ensure_ascii=False) + "\n"
-                          for path in ignored)
-    return {"ignored_files": ignored[:LISTED], "num_ignored": len(ignored), "bad_files": bad[:LISTED],
-            "num_bad": len(bad)}
-
-
-def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: Listing, got: Any,
+def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: Listing, got: Ingested,
                   labels: np.ndarray, journal: Journal, old: PreviousStore) -> tuple[int, int]:
-    """Each split's images into `writer`, in content order: decoded ones from the journal, the
-    previous store's by reference to their shard (or copied, from a store before shards). In place,
-    `splits` takes that order. Returns (kept, copied)."""
+    """Each split's images into `writer`, in content order, all by reference to a shard but those of
+    a store before shards (copied): decoded ones to their journal segment, the previous store's to
+    theirs. In place, `splits` takes that order. Returns (kept, copied)."""
     kept = copied = 0
+    segments: dict[Path, str] = {}  # journal segment -> its shard name in the new store
     for split in SPLITS:
         members = splits[split] = splits[split][np.argsort(got.digests[splits[split]], kind="stable")]
         for i in members:
             entry, digest, row = listing.entries[i], digest_at(got.digests, i), int(got.rows[i])
             meta = {"source": entry.path, "sha256": digest.hex(), "size": entry.size, "mtime_ns": entry.mtime_ns}
-            if row >= 0:
-                writer.add(split, journal.pixels(row), int(labels[i]), digest, meta)
+            if entry.supplier is not None:
+                meta["supplier"] = entry.supplier
+            if row >= 0:  # decoded by this run: its journal segment becomes a shard as it is
+                segment, segment_row = journal.frame_of(row)
+                if segment not in segments:
+                    segments[segment] = writer.fresh_name()
+                writer.keep(split, segments[segment], segment, segment_row, int(labels[i]), digest, meta, fresh=True)
             elif old.sealed:  # a shard of the previous store holds it: point at it, read nothing
-                writer.keep(split, *old.find(digest), int(labels[i]), digest, meta)
+                shard, shard_row = old.find(digest)
+                writer.keep(split, old.names[shard], old.files[shard], shard_row, int(labels[i]), digest, meta)
                 kept += 1
             else:
                 writer.add(split, old.pixels(*old.find(digest)), int(labels[i]), digest, meta)
@@ -214,48 +131,64 @@ def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: L
     return kept, copied
 
 
-def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, work: Path) -> dict[str, Any]:
-    """Ingest an ImageFolder tree or a manifest into `out_dir`, copying what `previous` already holds
-    and resuming what an interrupted run left in `work`. Broken files are skipped and listed (or
-    fail the stage)."""
+def _bad_files(listing: Listing, got: Ingested, cfg: DataConfig) -> list[dict[str, str]]:
+    """Every file that could not be used, with its reason; the stage stops here under `on_bad_image: fail`."""
+    bad = [{"path": listing.entries[i].path, "split": listing.entries[i].split or "assigned by prepare",
+            "reason": r} for i, r in sorted(got.reasons.items())]
+    bad += [{**refused, "split": "not listed"} for refused in listing.refused]
+    if bad and cfg.on_bad_image == "fail":
+        shown = "\n".join(f"  {b['path']}: {b['reason']}" for b in bad[:50])
+        raise DataError(f"{len(bad)} unusable image(s) under {listing.root} and data.on_bad_image=fail:\n{shown}\n"
+                        "Fix or remove them, or set data.on_bad_image: skip to list them and go on.")
+    return bad
+
+
+def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | None, ledger: Ledger,
+                    work: Path) -> tuple[dict[str, Any], Assigned, list[str], list[str], bool]:
+    """Ingest an ImageFolder tree or a manifest into `out_dir`, keeping what `previous` already holds
+    and resuming what an interrupted run left in `work`; splits as the ledger says (`sticky`). Broken
+    files are skipped and listed (or fail the stage). Returns the report, the assignment, the classes
+    and whether the splits were reset."""
     listing = list_source(cfg.source, cfg.group_pattern)
+    if listing.refused and cfg.on_bad_image == "fail":  # before any decoding
+        _bad_files(listing, Ingested(np.zeros(0, "S32"), np.zeros(0, np.int64), {}), cfg)
     root = listing.root
     all_classes = sorted(listing.entries.labels)
     wanted = recipe(cfg.stored_size, cfg.max_pixels)
-    journal, old = Journal(work, wanted), PreviousStore(previous, wanted)
+    journal = Journal(work, wanted, rows_per_shard(cfg.shard_mb, cfg.stored_size**2 * 3))
+    old = PreviousStore(previous, wanted)
     workers = usable_cores() if cfg.prepare_workers == "auto" else int(cfg.prepare_workers)
     try:
         progress = partial(tqdm, desc="prepare", unit="img", disable=None, mininterval=2.0)
-        got = ingest(root, listing.entries, workers, cfg.stored_size, cfg.max_pixels, old, journal, progress)
+        got = ingest(root, listing.entries, workers, cfg.stored_size, cfg.max_pixels, old, journal,
+                     cfg.decode_timeout_s, progress)
         all_labels = listing.entries.label_indices(all_classes)
         usable = np.ones(len(listing.entries), dtype=bool)
         usable[list(got.reasons)] = False
-        bad = [{"path": listing.entries[i].path, "split": listing.entries[i].split or "assigned by prepare",
-                "reason": r} for i, r in sorted(got.reasons.items())]
-        bad += [{**refused, "split": "not listed"} for refused in listing.refused]
-        if bad and cfg.on_bad_image == "fail":
-            shown = "\n".join(f"  {b['path']}: {b['reason']}" for b in bad[:50])
-            raise DataError(f"{len(bad)} unusable image(s) under {root} and data.on_bad_image=fail:\n{shown}\n"
-                            "Fix or remove them, or set data.on_bad_image: skip to list them and go on.")
+        bad = _bad_files(listing, got, cfg)
         present = np.bincount(all_labels[usable], minlength=len(all_classes))
         classes = [c for c, n in zip(all_classes, present) if n]
         if len(classes) < 2:
             raise DataError(f"data.source: {root} has {len(classes)} class(es) with usable images "
                             f"({', '.join(classes) or 'none'}); need at least two (one folder, or label, per class)")
-        relabel = np.cumsum(present > 0) - 1  # drop classes without a usable image, keep the order
-        labels = relabel[all_labels]
-        rule = split_rule(seed, cfg.val_fraction, cfg.test_fraction)
-        splits, split_report = _assign_splits(listing, labels, usable, got.digests, cfg, seed,
-                                              PreviousSplits(previous, rule), classes)
-        writer = StoreWriter(out_dir, cfg.stored_size, 3, cfg.shard_mb, previous if old.sealed else None)
+        labels = (np.cumsum(present > 0) - 1)[all_labels]  # drop classes without a usable image, keep the order
+        reset = cfg.split_reset is not None and cfg.split_reset not in ledger.resets
+        assigned = assign_splits(listing, labels, usable, got.digests, cfg, seed, ledger, classes, reset)
+        caps = {"train": cfg.max_train_images, "val": cfg.max_eval_images, "test": cfg.max_eval_images}
+        splits = {}
+        for split, cap in caps.items():
+            members = np.flatnonzero(assigned.names == split)
+            splits[split] = members[stable_cap(labels[members], got.digests[members], cap, seed)]
+        writer = StoreWriter(out_dir, cfg.stored_size, 3, cfg.shard_mb, first_serial(old.names if old.sealed else [],
+                                                                                      old.next_serial))
         try:
             kept, copied = _write_splits(writer, splits, listing, got, labels, journal, old)
         except BaseException:
             writer.abort()
             raise
         written = np.concatenate([splits[s] for s in SPLITS])
-        codes = _split_codes([len(splits[s]) for s in SPLITS])
-        leakage = _leakage(got.digests[written], codes, lambda j: listing.entries[written[j]].path)
+        codes = split_codes([len(splits[s]) for s in SPLITS])
+        leaks = leakage(got.digests[written], codes, lambda j: listing.entries[written[j]].path)
         index = writer.close(classes, f"{listing.kind}:{cfg.source}",
                              carved=[s for s in ("val", "test") if s not in listing.given_splits])
     finally:
@@ -266,88 +199,111 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Path, w
         raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
                         f"(without any: {', '.join(no_train)}); see metrics/data_report.json")
     (out_dir / RECIPE_FILE).write_text(json.dumps(wanted))
-    (out_dir / SPLIT_RULE_FILE).write_text(json.dumps(rule))
-    return {
+    if got.failed:
+        (out_dir / FAILED_FILE).write_text("".join(json.dumps({"key": k, "reason": r}) + "\n" for k, r in got.failed))
+    report = {
         "source": str(cfg.source),
         "predefined_splits": bool(listing.given_splits),
         "splits": {s: v["count"] for s, v in index["splits"].items()},
         "classes": classes,
         "empty_classes": sorted(set(listing.empty_classes) | (set(all_classes) - set(classes))),
         "classes_without_train_images": no_train,
-        **_listed(out_dir, bad, listing.ignored),
+        **listed(out_dir, bad, listing.ignored),
         "skipped_folders": listing.skipped_folders,
-        "leakage": leakage,
-        **split_report,
+        "leakage": leaks,
+        **assigned.report,
         "work": {"listed": len(listing.entries), "decoded": got.counts["decoded"], "kept": kept, "copied": copied,
                  "read": got.counts["read"], "unchanged_not_read": got.counts["unchanged"],
                  "resumed": got.counts["resumed"], "workers": workers},
     }
+    return report, assigned, [listing.entries.paths[i] for i in assigned.members], classes, reset
+
+
+# --------------------------------------------------------------------------- the split ledger
+def _refuse(found: Found, folder: Path, what: str) -> None:
+    raise DataError(
+        f"{found.recorded}: the {what} of an earlier prepare, but neither {folder} nor its DVC cache objects are "
+        f"here (a fresh clone, a new machine?). Drawn again without it, held-out photos could land in train. "
+        f"Fetch it first: `dvc pull {folder}` (the split ledger is small; the store is not needed), then rerun. "
+        "To draw every split again on purpose instead, set data.split_reset to a new name.")
+
+
+def open_ledger(cfg: DataConfig, ledger: Found, store: Found, folder: Path) -> tuple[Ledger, np.ndarray, list[str], list[str]]:
+    """The ledger prepare draws splits from, and the records to seed a new one with: the ledger on
+    disk or in the DVC cache; else, for a project whose store predates ledgers, what that store holds.
+    A history that exists (dvc.lock records it) but cannot be read is refused, never redrawn."""
+    empty = np.zeros(0, dtype=RECORD)
+    if ledger.tree is not None:
+        return Ledger.read(ledger.tree), empty, [], []
+    if cfg.split_reset is not None:
+        return Ledger(), empty, [], []
+    if ledger.recorded:
+        _refuse(ledger, folder, "split ledger")
+    if store.tree is not None and store.tree.path("index.json") is not None:
+        classes: list[str] = []
+        records, paths = records_from_store(store.tree, classes)
+        return Ledger.from_records(records, classes), records, paths, classes
+    if store.recorded:
+        _refuse(store, folder, "prepared store (whose splits seed the split ledger)")
+    return Ledger(), empty, [], []
+
+
+def _ledger_update(ledger: Ledger, records: np.ndarray, paths: list[str], reset: bool) -> tuple[np.ndarray, list[str]]:
+    """What to append: every record after a reset, else those the ledger does not hold as they are."""
+    if reset:
+        return records, paths
+    fresh = ~ledger.unchanged(records)
+    return records[fresh], [p for p, f in zip(paths, fresh) if f]
 
 
 # --------------------------------------------------------------------------- entry point
-def _members(store: Path) -> list[np.ndarray] | None:
-    """Per split (in SPLITS order), the sorted distinct content hashes (S32) of a prepared store;
-    None when there is no store."""
-    metas = [store / f"{split}_meta.jsonl" for split in SPLITS]
-    if not any(meta.exists() for meta in metas):
-        return None
-    return [np.unique(read_store_meta(meta, with_keys=False)[0]) if meta.exists() else np.zeros(0, dtype="S32")
-            for meta in metas]
+def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger_dir: Path | None = None) -> dict[str, Any]:
+    """Write the prepared data set to `out_dir`, its split ledger to `ledger_dir` (default: beside
+    it, `<out_dir>_ledger`) and the data report to `report_path`.
 
-
-def split_changes(previous: Path, current: Path) -> dict[str, Any] | None:
-    """Images each split gained and lost against the previous store, and how many images present in
-    both changed split (0 unless the seed, the fractions or the caps changed); None without one.
-    Sorted hash arrays throughout: 32 bytes an image, at any catalog size."""
-    before = _members(previous)
-    if before is None:
-        return None
-    after = _members(current) or [np.zeros(0, dtype="S32")] * len(SPLITS)
-    # Where each old hash was; one in several splits (leakage) counts as in the last of them.
-    table, codes = np.concatenate(before), _split_codes([len(d) for d in before])
-    order = np.argsort(table, kind="stable")
-    table, codes = table[order], codes[order]
-    last = np.r_[table[1:] != table[:-1], True][: len(table)]
-    table, codes = table[last], codes[last]
-    moved = 0
-    for code, digests in enumerate(after if len(table) else []):
-        i = np.minimum(np.searchsorted(table, digests), len(table) - 1)
-        moved += int(np.sum((table[i] == digests) & (codes[i] != code)))
-    return {"splits": {s: {"gained": len(np.setdiff1d(after[k], before[k], assume_unique=True)),
-                           "lost": len(np.setdiff1d(before[k], after[k], assume_unique=True))}
-                       for k, s in enumerate(SPLITS)},
-            "moved_between_splits": moved}
-
-
-def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path) -> dict[str, Any]:
-    """Write the prepared data set to `out_dir` and the data report to `report_path`.
-
-    The new store is written beside the old one (`<out_dir>.new`) and swapped in by renames, so no
-    file of the old store is ever rewritten: a trainer that has it memory-mapped (a shared
-    filesystem, a hardlinked DVC cache) keeps reading the old version, and a failed prepare leaves
-    the old store as it was. Images are copied from the old store when they can be, and decoded
-    ones are journalled in `<out_dir>.work` until the swap, so a killed run resumes (`ingest`).
+    The new store and ledger are written beside the old ones (`<name>.new`) and swapped in by renames
+    (`swap`), so no file of the old store is ever rewritten: a trainer that has it memory-mapped (a
+    shared filesystem, a hardlinked DVC cache) keeps reading the old version, and a failed prepare
+    leaves the old ones as they were. Images are kept from the old store when they can be, and
+    decoded ones are journalled in `<out_dir>.work` until the swap, so a killed run resumes.
     """
     out_dir, report_path = Path(out_dir), Path(report_path)
-    new, old = (out_dir.with_name(out_dir.name + suffix) for suffix in (".new", ".old"))
+    ledger_dir = Path(ledger_dir) if ledger_dir is not None else out_dir.with_name(out_dir.name + "_ledger")
+    recovered = recover([out_dir, ledger_dir])
+    new_store, new_ledger = staged(out_dir), staged(ledger_dir)
     work = out_dir.with_name(out_dir.name + ".work")
-    for leftover in (new, old):
-        if leftover.exists():
-            shutil.rmtree(leftover)
-    new.mkdir(parents=True)
+    store, ledger_found = find_previous(out_dir), find_previous(ledger_dir)
+    rule = split_rule(seed, cfg.val_fraction, cfg.test_fraction)
+    new_store.mkdir(parents=True)
     try:
         if cfg.source == "fashion-mnist":
-            report = prepare_fashion_mnist(cfg, seed, new)
+            report = prepare_fashion_mnist(cfg, seed, new_store)
+            ledger, classes, reset = Ledger.read(ledger_found.tree), list(report["classes"]), False
+            seed_records, seed_paths = np.zeros(0, dtype=RECORD), []
+            records, paths = records_from_store(Tree(new_store), classes, given=frozenset({"test"}))
         else:
-            report = prepare_catalog(cfg, seed, new, previous=out_dir, work=work)
+            ledger, seed_records, seed_paths, classes = open_ledger(cfg, ledger_found, store, ledger_dir)
+            report, assigned, paths, current, reset = prepare_catalog(cfg, seed, new_store, store.tree, ledger, work)
+            records = assigned.records.copy()
+            remap = np.array([classes.index(c) if c in classes else classes.append(c) or len(classes) - 1
+                              for c in current], dtype=np.uint32)
+            records["label"] = remap[records["label"]] if len(records) else records["label"]
+            (new_store / SPLIT_RULE_FILE).write_text(json.dumps(rule))
+        fresh, fresh_paths = _ledger_update(ledger, records, paths, reset)
+        header = {"rule": rule, "reset": cfg.split_reset if reset else None, "source": str(cfg.source)}
+        done = write_ledger(new_ledger, ledger_found.tree, np.concatenate([seed_records, fresh]),
+                            seed_paths + fresh_paths, classes, header)
+        report["ledger"] = {**report.get("ledger", {}), **done, "reset": header["reset"],
+                            "rule_changed": ledger.rule is not None and ledger.rule != rule,
+                            "read_from": ledger_found.tree.origin if ledger_found.tree else None}
     except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
+        shutil.rmtree(new_store, ignore_errors=True)
+        shutil.rmtree(new_ledger, ignore_errors=True)
         raise
-    report["changes"] = split_changes(out_dir, new)
-    if out_dir.exists():
-        out_dir.rename(old)
-    new.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)  # unlinks only: open maps of the old files stay valid
+    report["changes"] = split_changes(store.tree, new_store)
+    if recovered:
+        report["recovered"] = recovered
+    swap_in([(new_store, out_dir), (new_ledger, ledger_dir)])
     shutil.rmtree(work, ignore_errors=True)
     write_json(report_path, report)
     return report

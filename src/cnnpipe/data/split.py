@@ -12,7 +12,6 @@ import hashlib
 from typing import Sequence
 
 import numpy as np
-from sklearn.model_selection import train_test_split
 
 from cnnpipe.data.store import PreparedSplit
 
@@ -23,6 +22,8 @@ def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np
     Classes with fewer than two members cannot be stratified; they stay whole in `keep`.
     Both outputs are sorted, so the result depends only on labels, fraction and seed.
     """
+    from sklearn.model_selection import train_test_split  # here: prepare (and its decoding processes) never need it
+
     labels = np.asarray(labels)
     positions = np.arange(len(labels))
     counts = np.bincount(labels) if len(labels) else np.zeros(0, int)

@@ -3,15 +3,25 @@
 Layout of a prepared directory::
 
     index.json               classes, geometry, the shard list, per-split counts and fingerprints
-    shards/<serial>-<split>.u8
+    shards/<serial>-<split>.u8, shards/<serial>-mixed.u8
                              raw uint8 pixels, shape (rows, size, size, channels), row-major; written
-                             once and never rewritten (`writer.StoreWriter`)
+                             once and never rewritten (`writer.StoreWriter`); a `mixed` shard is a
+                             segment of a prepare's journal (the images it decoded, any split)
     <split>_rows.npy         (N, 2) int32: each image's shard (its place in index.json's list) and row
     <split>_labels.npy       int64 labels
+    <split>_keys.npy         each image's sha256 and the key of its file's path, size and mtime
     <split>_meta.jsonl       one line per image: source path and sha256 of the source bytes (and, for
                              image files, their size and mtime: unchanged files are not read again)
     recipe.json              the decoding rules and size (image files only): which stores can share pixels
     split_rule.json          the seed and fractions the splits were drawn with (image files only)
+
+A reader (`open_split`) pins the store it opens (`pin_store`: hard links, removed at exit) and maps
+at most `max_open_shards()` shards at a time, so a run at 10M images neither runs out of file
+descriptors nor loses its store when an update is swapped in while it trains.
+
+Records are fixed-size frames today: `<split>_rows.npy` gives (shard, row), and the row is the
+frame's place in the shard. A variable-length encoding (compressed images) adds a per-shard table of
+offsets beside each shard and an `encoding` key in index.json; rows, splits and pins stay as they are.
 
 The layout follows the sealed shards of MDS, WebDataset and LitData: a week's new photos go into new
 shards and every full shard keeps its bytes, so DVC caches and pushes only what is new. What a split
@@ -23,9 +33,16 @@ row no split points at.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import itertools
 import json
+import os
+import resource
+import secrets
+import shutil
+import socket
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,19 +65,30 @@ def read_index(prepared_dir: Path) -> dict[str, Any]:
     return index
 
 
+def max_open_shards() -> int:
+    """How many shards one process keeps mapped: each map holds a file descriptor, and a store of 10M
+    images has thousands of shards, so a fixed share of the descriptors this process may open."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return int(max(8, min(128, soft // 8)))
+
+
 class ShardedImages:
     """A read-only (N, size, size, channels) uint8 array of one split, gathered from its shards.
 
-    Indexing with an int or an index array reads only those rows (each shard is memory-mapped on
-    first use, in the process that reads it: a DataLoader worker maps its own); a slice is a view;
-    `np.asarray` reads all. Pickles as paths, never as pixels."""
+    Indexing with an int or an index array reads only those rows; a slice is a view; `np.asarray`
+    reads all. Shards are memory-mapped on first use, in the process that reads them (a DataLoader
+    worker maps its own), at most `max_open_shards()` at a time (the least recently used is unmapped).
+    Pickles as the path of its row index and its slice, never as the index or the pixels: a spawned
+    worker gets a few hundred bytes and maps the index itself."""
 
     dtype = np.dtype(np.uint8)
     ndim = 4
 
-    def __init__(self, shards: list[Path], where: np.ndarray, frame: tuple[int, int, int]) -> None:
-        self.shards, self.where, self.frame = shards, where, frame
-        self._maps: dict[int, np.ndarray] = {}
+    def __init__(self, shards: list[Path], where: np.ndarray, frame: tuple[int, int, int],
+                 source: tuple[Path, slice] | None = None) -> None:
+        self.shards, self.where, self.frame, self.source = shards, where, frame, source
+        self.max_open = max_open_shards()
+        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -70,19 +98,29 @@ class ShardedImages:
         return len(self.where)
 
     def _map(self, shard: int) -> np.ndarray:
-        if shard not in self._maps:
-            path = self.shards[shard]
-            rows = path.stat().st_size // int(np.prod(self.frame))
-            # a plain ndarray view: indexing the memmap subclass costs microseconds per call
-            self._maps[shard] = np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, *self.frame)).view(np.ndarray)
-        return self._maps[shard]
+        mapped = self._maps.get(shard)
+        if mapped is not None:
+            self._maps.move_to_end(shard)
+            return mapped
+        while len(self._maps) >= self.max_open:
+            self._maps.popitem(last=False)  # its map (and descriptor) closes with its last view
+        path = self.shards[shard]
+        rows = path.stat().st_size // int(np.prod(self.frame))
+        # a plain ndarray view: indexing the memmap subclass costs microseconds per call
+        mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, *self.frame)).view(np.ndarray)
+        self._maps[shard] = mapped
+        return mapped
 
     def __getitem__(self, key: Any) -> np.ndarray | ShardedImages:
         if isinstance(key, (int, np.integer)):
             shard, row = self.where[key]
             return self._map(int(shard))[row]
         if isinstance(key, slice):
-            return ShardedImages(self.shards, self.where[key], self.frame)
+            source = None
+            if self.source is not None:  # a slice of a slice is a slice: compose them through range
+                window = range(*self.source[1].indices(2**62))[key]
+                source = (self.source[0], slice(window.start, window.stop, window.step))
+            return ShardedImages(self.shards, self.where[key], self.frame, source)
         key = np.asarray(key)
         where = self.where[key if key.dtype == bool else key.astype(np.intp)]
         if not len(where):
@@ -100,24 +138,35 @@ class ShardedImages:
             out[order[a:b]] = self._map(int(by_shard[a]))[rows[a:b]]
         return out
 
+    def shard_of_each(self) -> np.ndarray:
+        """Each image's shard number: what a shard-local shuffle groups by."""
+        return np.asarray(self.where[:, 0])
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self[np.arange(len(self))]
         return out if dtype is None else out.astype(dtype)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"shards": self.shards, "where": self.where, "frame": self.frame}
+        where = None if self.source is not None else self.where
+        return {"shards": self.shards, "where": where, "frame": self.frame, "source": self.source}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["shards"], state["where"], state["frame"])  # type: ignore[misc]
+        where = state["where"]
+        if where is None:
+            rows, window = state["source"]
+            where = _mapped(rows)[window]
+        self.__init__(state["shards"], where, state["frame"], state["source"])  # type: ignore[misc]
 
 
 @dataclass
 class PreparedSplit:
-    """Read-only view of one prepared split, in content order."""
+    """Read-only view of one prepared split, in content order. Opened by `open_split`, it pickles as
+    where it was opened from (`source`: folder, split, slice), a few hundred bytes whatever its size."""
 
     images: ShardedImages | np.ndarray  # (N, size, size, channels) uint8
     labels: np.ndarray  # (N,) int64
     classes: list[str]
+    source: tuple[Path, str, slice] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -130,35 +179,120 @@ class PreparedSplit:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def __reduce__(self) -> Any:
+        if self.source is None:
+            return PreparedSplit, (self.images, self.labels, self.classes)
+        return _reopen, (*self.source, self.classes)
+
+
+def _reopen(folder: Path, split: str, window: slice, classes: list[str]) -> PreparedSplit:
+    """A pickled `PreparedSplit` back: its files mapped again from the (pinned) folder it came from."""
+    opened = _open(Path(folder), split, read_index(folder))
+    return PreparedSplit(opened.images[window], opened.labels[window], classes, (Path(folder), split, window))
+
 
 def shard_paths(prepared_dir: Path, index: dict[str, Any]) -> list[Path]:
     """The shard files of a store, in the order its `<split>_rows.npy` number them."""
     return [Path(prepared_dir) / SHARDS / shard["name"] for shard in index["shards"]]
 
 
-def open_split(prepared_dir: Path, split: str, limit: int | None = None) -> PreparedSplit:
-    """Open `split` of a prepared directory; `limit` keeps the first N images."""
-    prepared_dir = Path(prepared_dir)
-    index = read_index(prepared_dir)
+# --------------------------------------------------------------------------- pins
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        pass
+    return True
+
+
+def _remove_stale_pins(readers: Path) -> None:
+    """Pins of this machine's processes that are gone (killed before their clean-up ran)."""
+    host = socket.gethostname()
+    for pin in readers.glob(f"{host}-*") if readers.is_dir() else []:
+        pid = pin.name[len(host) + 1 :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(pin, ignore_errors=True)
+
+
+_PINS: dict[tuple[str, int, int], Path] = {}
+
+
+def pin_store(prepared_dir: Path) -> Path:
+    """A folder of hard links to every file a reader needs of the store as it is now, kept until this
+    process exits: a prepare that swaps in an update (or a `dvc repro` that removes the store first)
+    unlinks names, never the files this run reads, so a run keeps reading the store it started with.
+    Returns the store itself where links are impossible (a read-only or foreign filesystem)."""
+    prepared_dir = Path(prepared_dir).resolve()
+    index_path = prepared_dir / "index.json"
+    readers = prepared_dir.with_name(prepared_dir.name + ".readers")
+    for _ in range(5):  # an update swapped in while we linked: start again
+        st = index_path.stat()
+        key = (str(prepared_dir), st.st_ino, st.st_mtime_ns)
+        if key in _PINS and _PINS[key].is_dir():
+            return _PINS[key]
+        pin = readers / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            _remove_stale_pins(readers)
+            (pin / SHARDS).mkdir(parents=True)
+            os.link(index_path, pin / "index.json")
+            index = json.loads((pin / "index.json").read_text(encoding="utf-8"))
+            names = [f"{split}_{kind}.npy" for split in index["splits"] for kind in ("rows", "labels")]
+            names += [f"{SHARDS}/{shard['name']}" for shard in index["shards"]]
+            for name in names:
+                os.link(prepared_dir / name, pin / name)
+        except OSError:
+            shutil.rmtree(pin, ignore_errors=True)
+            if os.path.samestat(st, index_path.stat()):
+                return prepared_dir  # links are not possible here: read the store in place
+            continue
+        if os.path.samestat(os.stat(pin / "index.json"), index_path.stat()):
+            atexit.register(shutil.rmtree, pin, True)
+            _PINS[key] = pin
+            return pin
+        shutil.rmtree(pin, ignore_errors=True)
+    return prepared_dir
+
+
+def _mapped(path: Path) -> np.ndarray:
+    """A .npy file memory-mapped (shared through the page cache, never a copy per process), as a plain
+    ndarray view: indexing the memmap subclass costs microseconds a call."""
+    return np.load(path, mmap_mode="r").view(np.ndarray)
+
+
+def _open(folder: Path, split: str, index: dict[str, Any]) -> PreparedSplit:
     if split not in index["splits"]:
-        raise KeyError(f"{prepared_dir}: no split {split!r} (have {', '.join(index['splits'])})")
+        raise KeyError(f"{folder}: no split {split!r} (have {', '.join(index['splits'])})")
     frame = (index["size"], index["size"], index["channels"])
-    where = np.load(prepared_dir / f"{split}_rows.npy")
-    labels = np.load(prepared_dir / f"{split}_labels.npy")
+    rows_file = folder / f"{split}_rows.npy"
+    where = _mapped(rows_file)
+    labels = _mapped(folder / f"{split}_labels.npy")
     if len(where) != index["splits"][split]["count"] or len(labels) != len(where):
-        raise ValueError(f"{prepared_dir}: {split} has {len(where)} rows and {len(labels)} labels, index.json says "
+        raise ValueError(f"{folder}: {split} has {len(where)} rows and {len(labels)} labels, index.json says "
                          f"{index['splits'][split]['count']}; rerun `dvc repro prepare`")
-    shards = shard_paths(prepared_dir, index)
-    for shard, path in zip(index["shards"], shards):
+    images = ShardedImages(shard_paths(folder, index), where, frame, (rows_file, slice(None)))
+    return PreparedSplit(images, labels, list(index["classes"]), (folder, split, slice(None)))
+
+
+def open_split(prepared_dir: Path, split: str, limit: int | None = None) -> PreparedSplit:
+    """Open `split` of a prepared directory, pinned (`pin_store`); `limit` keeps the first N images."""
+    prepared_dir = Path(prepared_dir)
+    read_index(prepared_dir)  # a missing or outdated store: the error says what to run
+    folder = pin_store(prepared_dir)
+    index = read_index(folder)
+    frame = (index["size"], index["size"], index["channels"])
+    for shard, path in zip(index["shards"], shard_paths(folder, index)):
         expected = shard["rows"] * int(np.prod(frame))
         if not path.exists() or path.stat().st_size != expected:
             found = f"{path.stat().st_size} bytes" if path.exists() else "missing"
             raise ValueError(f"{path}: {found}, index.json says {expected}; rerun `dvc repro prepare` "
                              "(or `dvc checkout data/prepared`)")
-    images = ShardedImages(shards, where, frame)
-    if limit is not None:
-        images, labels = images[:limit], labels[:limit]
-    return PreparedSplit(images=images, labels=labels, classes=list(index["classes"]))
+    opened = _open(folder, split, index)
+    if limit is None:
+        return opened
+    window = slice(0, limit)
+    return PreparedSplit(opened.images[window], opened.labels[window], opened.classes, (folder, split, window))
 
 
 def data_fingerprint(prepared_dir: Path) -> str:
@@ -179,3 +313,10 @@ def test_sources(prepared_dir: Path, n: int | None = None) -> list[str]:
     evaluate's predictions.csv lists and the gate checks it against."""
     with open(Path(prepared_dir) / "test_meta.jsonl", encoding="utf-8") as fh:
         return list(itertools.islice((json.loads(line)["source"] for line in fh), n))
+
+
+def suppliers(prepared_dir: Path, split: str) -> list[str | None]:
+    """Each image's supplier (a manifest's `supplier` column) in the split's order, None where the
+    source gives none: what a per-supplier report slices by."""
+    with open(Path(prepared_dir) / f"{split}_meta.jsonl", encoding="utf-8") as fh:
+        return [json.loads(line).get("supplier") for line in fh]

@@ -22,9 +22,13 @@ from typing import IO, Any
 
 import numpy as np
 
+from cnnpipe.data.keys import stat_key
 from cnnpipe.data.store import FORMAT_VERSION, SHARDS, SPLITS
 from cnnpipe.files import write_json
 
+KEYS = np.dtype([("sha256", "S32"), ("stat", "<u8")])
+"""`<split>_keys.npy`: each image's content hash and `keys.stat_key`, in the split's order: what the
+next prepare looks images up by, without parsing the meta lines (30x faster at 10M images)."""
 COMPACT_BELOW = 0.5
 """A previous shard with fewer live rows than this share is compacted."""
 
@@ -34,8 +38,9 @@ def rows_per_shard(shard_mb: float, frame_bytes: int) -> int:
     return max(1, int(shard_mb * 2**20) // frame_bytes)
 
 
-def _serial(name: str) -> int:
-    return int(name.split("-", 1)[0])
+def first_serial(names: list[str], recorded: int = 0) -> int:
+    """The serial of a store's next new shard: past every shard name it holds and any it recorded."""
+    return max([recorded, *(int(name.split("-", 1)[0]) + 1 for name in names)])
 
 
 class _SplitRows:
@@ -44,7 +49,7 @@ class _SplitRows:
 
     def __init__(self, path: Path) -> None:
         self.shard, self.row, self.label = array.array("i"), array.array("i"), array.array("q")
-        self.digests = bytearray()
+        self.digests, self.stat_keys = bytearray(), array.array("Q")
         self.meta_path, self.offsets = path, array.array("Q", [0])
         self.meta: IO[bytes] = open(path, "wb")
 
@@ -53,6 +58,7 @@ class _SplitRows:
         self.row.append(row)
         self.label.append(label)
         self.digests += digest
+        self.stat_keys.append(stat_key(meta.get("source", ""), meta.get("size", -1), meta.get("mtime_ns", -1)))
         line = (json.dumps(meta, ensure_ascii=False) + "\n").encode()
         self.meta.write(line)
         self.offsets.append(self.offsets[-1] + len(line))
@@ -61,26 +67,26 @@ class _SplitRows:
 class StoreWriter:
     """Write a store of (size, size, channels) images into `out_dir`, reusing `previous`'s shards."""
 
-    def __init__(self, out_dir: Path, size: int, channels: int, shard_mb: float,
-                 previous: Path | None = None) -> None:
+    def __init__(self, out_dir: Path, size: int, channels: int, shard_mb: float, first_serial: int = 0) -> None:
         self.out_dir, self.frame = Path(out_dir), (size, size, channels)
         self.frame_bytes = size * size * channels
         self.rows_per_shard = rows_per_shard(shard_mb, self.frame_bytes)
         (self.out_dir / SHARDS).mkdir(parents=True, exist_ok=True)
-        old = [p.name for p in (Path(previous) / SHARDS).glob("*.u8")] if previous else []
-        self._next_serial = max((_serial(n) for n in old), default=-1) + 1
-        self.shards: list[Path] = []  # every shard an image points at: new ones here, kept ones there
-        self._numbers: dict[Path, int] = {}
+        # Serials only grow (index.json keeps the next one): a shard name, once used, never names other
+        # bytes, so a reader that opened an old store by name never reads another store's pixels.
+        self._next_serial = first_serial
+        self.shards: list[tuple[str, Path]] = []  # (name, file) of every shard an image points at
+        self._numbers: dict[str, int] = {}
         self._new: set[int] = set()
         self._open: dict[str, tuple[IO[bytes], int, int]] = {}  # split -> (file, shard number, rows)
         self.splits = {s: _SplitRows(self.out_dir / f".{s}_meta.unsorted") for s in SPLITS}
         self.written_bytes = 0
 
-    def _number(self, path: Path) -> int:
-        if path not in self._numbers:
-            self._numbers[path] = len(self.shards)
-            self.shards.append(path)
-        return self._numbers[path]
+    def _number(self, name: str, path: Path) -> int:
+        if name not in self._numbers:
+            self._numbers[name] = len(self.shards)
+            self.shards.append((name, path))
+        return self._numbers[name]
 
     def _append_pixels(self, split: str, image: np.ndarray) -> tuple[int, int]:
         """Write one frame to `split`'s open shard, opening a new one when none is or it is full."""
@@ -88,9 +94,10 @@ class StoreWriter:
         if fh is None or rows >= self.rows_per_shard:
             if fh is not None:
                 fh.close()
-            path = self.out_dir / SHARDS / f"{self._next_serial:06d}-{split}.u8"
+            name = f"{self._next_serial:06d}-{split}.u8"
             self._next_serial += 1
-            fh, shard, rows = open(path, "wb"), self._number(path), 0
+            path = self.out_dir / SHARDS / name
+            fh, shard, rows = open(path, "wb"), self._number(name, path), 0
             self._new.add(shard)
         fh.write(np.ascontiguousarray(image).tobytes())
         self._open[split] = (fh, shard, rows + 1)
@@ -104,9 +111,18 @@ class StoreWriter:
         shard, row = self._append_pixels(split, image)
         self.splits[split].append(shard, row, label, digest, meta)
 
-    def keep(self, split: str, shard: Path, row: int, label: int, digest: bytes, meta: dict[str, Any]) -> None:
-        """Point at row `row` of a previous store's sealed `shard`; no pixels are read or written."""
-        self.splits[split].append(self._number(Path(shard)), row, label, digest, meta)
+    def keep(self, split: str, name: str, shard: Path, row: int, label: int, digest: bytes,
+             meta: dict[str, Any], fresh: bool = False) -> None:
+        """Point at row `row` of a sealed shard `name` whose file is `shard`: one of the previous store
+        (in it or in the DVC cache), or a segment of this run's journal (`fresh`: its pixels were
+        written by this run, which `last_update` counts); no pixels are read or written here."""
+        self.splits[split].append(self._number(name, shard), row, label, digest, meta)
+        self.written_bytes += self.frame_bytes if fresh else 0
+
+    def fresh_name(self) -> str:
+        """A new shard's name, for a journal segment this store takes as a shard (any split's images)."""
+        self._next_serial += 1
+        return f"{self._next_serial - 1:06d}-mixed.u8"
 
     def _live_rows(self) -> np.ndarray:
         """How many rows of each shard some split points at."""
@@ -117,10 +133,10 @@ class StoreWriter:
         """Move the live rows of mostly dead previous shards into new shards; returns what it did."""
         live = self._live_rows()
         dying = {s for s in range(len(self.shards)) if s not in self._new
-                 and live[s] < COMPACT_BELOW * (self.shards[s].stat().st_size // self.frame_bytes)}
+                 and live[s] < COMPACT_BELOW * (self.shards[s][1].stat().st_size // self.frame_bytes)}
         moved, files = 0, {}
         try:
-            files.update({s: os.open(self.shards[s], os.O_RDONLY) for s in dying})
+            files.update({s: os.open(self.shards[s][1], os.O_RDONLY) for s in dying})
             for split, rows in self.splits.items():
                 for i, shard in enumerate(rows.shard):
                     if shard in dying:
@@ -138,8 +154,8 @@ class StoreWriter:
         its bytes, and so its DVC cache object, stay the same. Returns index.json's shard list."""
         listed = []
         for number in np.flatnonzero(used):
-            path = self.shards[number]
-            target = self.out_dir / SHARDS / path.name
+            name, path = self.shards[number]
+            target = self.out_dir / SHARDS / name
             if number not in self._new:
                 try:
                     os.link(path, target)
@@ -147,7 +163,7 @@ class StoreWriter:
                     if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                         raise
                     shutil.copyfile(path, target)
-            listed.append({"name": path.name, "rows": target.stat().st_size // self.frame_bytes,
+            listed.append({"name": name, "rows": target.stat().st_size // self.frame_bytes,
                            "live": int(used[number])})
         return listed
 
@@ -173,7 +189,8 @@ class StoreWriter:
             splits[split] = self._write_split(split, rows, renumber, len(classes))
         index = {"format": FORMAT_VERSION, "source": source, "carved": sorted(carved), "classes": classes,
                  "size": self.frame[0], "channels": self.frame[2], "rows_per_shard": self.rows_per_shard,
-                 "shards": shards, "splits": splits, "last_update": {**compaction, "written_bytes": self.written_bytes}}
+                 "shards": shards, "next_serial": self._next_serial, "splits": splits,
+                 "last_update": {**compaction, "written_bytes": self.written_bytes}}
         write_json(self.out_dir / "index.json", index)
         return index
 
@@ -186,6 +203,9 @@ class StoreWriter:
                           np.frombuffer(rows.row, dtype=np.int32)], axis=1).astype(np.int32)
         np.save(self.out_dir / f"{split}_rows.npy", where[order].reshape(-1, 2))
         np.save(self.out_dir / f"{split}_labels.npy", labels[order])
+        keys = np.zeros(len(order), dtype=KEYS)
+        keys["sha256"], keys["stat"] = digests[order], np.frombuffer(rows.stat_keys, dtype=np.uint64)[order]
+        np.save(self.out_dir / f"{split}_keys.npy", keys)
         offsets = np.frombuffer(rows.offsets, dtype=np.uint64)
         with open(rows.meta_path, "rb") as src, open(self.out_dir / f"{split}_meta.jsonl", "wb") as out:
             if offsets[-1]:

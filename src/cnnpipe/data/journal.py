@@ -1,0 +1,192 @@
+"""The journal of an interrupted prepare: what it decoded, kept in `<store>.work/` until the swap.
+
+A killed `prepare`, or one whose worker the OOM killer took, continues from the journal on the next
+run; after a power cut, a line whose pixels did not reach the disk is dropped and that image decoded
+again, never read back as black. Files that could not be used are journalled too (with their
+reason), so a rerun does not read them again: a file that kills its decoder is tried twice in all,
+never once per run.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cnnpipe.data.keys import digest_at
+from cnnpipe.data.previous import RECIPE_FILE, read_frame
+
+CHUNK = 16              # lines written per fsync at most once SYNC_EVERY_S has passed
+SYNC_EVERY_S = 0.2      # the journal's fsyncs, at most this often
+
+
+def where(segment: int, row: int) -> int:
+    """One int for a frame of the journal: its segment and row (-1: no pixels)."""
+    return (segment << 32) | row
+
+
+class Journal:
+    """Decoded pixels and one JSON line per finished file, appended as they come: the resume point,
+    and the new shards of the store.
+
+    Pixels go into segment files of `rows_per_segment` frames (a shard's worth); once the run is
+    done, each segment is hard-linked into the new store as a shard as it is, so a new image is
+    written once, not journalled and then copied (`writer.StoreWriter.keep`). A segment is never
+    appended to once a run has reopened it: it may be a shard of the store in place already.
+
+    Lines wait until their pixels are fsynced (`sync`: after `CHUNK` files once `SYNC_EVERY_S` has
+    passed, so at most a few fsyncs a second even on NFS, where one can take 20 ms), so a line on
+    disk has its pixels on disk even after a power cut, which may keep a file's length but not its
+    last blocks. A kill loses at most that much decoding. A reopened journal drops any line whose
+    pixels are not there (and everything after it); frames past the last line are cut off by
+    copying what is good into a new file, never by truncating one a store may share. What it holds is
+    looked up in sorted arrays (`lookup`), 48 bytes a file.
+    """
+
+    def __init__(self, work: Path, wanted: dict[str, Any], rows_per_segment: int) -> None:
+        self.work, self.frame = work, wanted["size"] * wanted["size"] * wanted["channels"]
+        self.shape, self.rows_per_segment = (wanted["size"], wanted["size"], wanted["channels"]), rows_per_segment
+        recipe_path = work / RECIPE_FILE
+        if work.exists() and (not recipe_path.exists() or json.loads(recipe_path.read_text()) != wanted):
+            shutil.rmtree(work)
+        (work / "segments").mkdir(parents=True, exist_ok=True)
+        recipe_path.write_text(json.dumps(wanted))
+        lines_path = work / "journal.jsonl"
+        frames = {int(p.stem): p.stat().st_size // self.frame for p in (work / "segments").glob("*.u8")}
+        keys, digests, wheres = array.array("Q"), bytearray(), array.array("q")
+        reasons: dict[int, str] = {}  # line number -> why the file is unusable (a few)
+        used: dict[int, int] = {}  # segment -> frames its lines use
+        whole = 0  # bytes of the lines file up to the last complete line
+        if lines_path.exists():
+            with open(lines_path, "rb") as fh:
+                for line in fh:
+                    try:
+                        item = json.loads(line) if line.endswith(b"\n") else None
+                    except json.JSONDecodeError:
+                        item = None
+                    if item is None:  # the last line of a killed run may be cut short
+                        break
+                    if item["seg"] >= 0 and item["row"] >= frames.get(item["seg"], 0):
+                        break  # its pixels were lost (a power cut): decode it again
+                    whole += len(line)
+                    if item["reason"] is not None:
+                        reasons[len(keys)] = item["reason"]
+                    keys.append(item["key"])
+                    digests += bytes.fromhex(item["sha256"])
+                    wheres.append(where(item["seg"], item["row"]) if item["seg"] >= 0 else -1)
+                    if item["seg"] >= 0:
+                        used[item["seg"]] = max(used.get(item["seg"], 0), item["row"] + 1)
+        all_keys = np.frombuffer(keys, dtype=np.uint64)
+        # A file journalled twice (its copy source vanished, so it was read again) counts as its last line.
+        order = np.argsort(all_keys, kind="stable")
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = all_keys[order][1:] != all_keys[order][:-1]
+        self._lines_of = order[last]
+        self._keys = all_keys[self._lines_of]
+        self._digests = np.frombuffer(bytes(digests), dtype="S32")
+        self._wheres = np.frombuffer(wheres, dtype=np.int64)
+        self._reasons = reasons
+        for segment, count in frames.items():
+            self._keep_frames(segment, used.get(segment, 0), count)
+        with open(lines_path, "ab") as fh:  # a torn last line off, so new lines do not follow half of one
+            fh.truncate(whole)
+        self._lines = open(lines_path, "a", encoding="utf-8")
+        self._segment = max(frames, default=-1)  # new pixels go to a new segment, never a reopened one
+        self._pixels: Any = None
+        self._rows = rows_per_segment  # rows in the open segment: none open yet
+        self._readers: dict[int, int] = {}
+        self._pending: list[str] = []  # lines whose pixels are not yet fsynced
+        self._synced_at = time.monotonic()
+
+    def _keep_frames(self, segment: int, used: int, count: int) -> None:
+        """Keep only the first `used` frames of a reopened segment, in a new file when that cuts any."""
+        path = self.segment_path(segment)
+        if used == 0:
+            path.unlink()
+        elif used < count or path.stat().st_size != used * self.frame:
+            tmp = path.with_suffix(".tmp")
+            with open(path, "rb") as src, open(tmp, "wb") as out:
+                out.write(src.read(used * self.frame))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)  # a new inode: a store that links the old one keeps it whole
+
+    def segment_path(self, segment: int) -> Path:
+        return self.work / "segments" / f"{segment:06d}.u8"
+
+    def __len__(self) -> int:
+        """Files the journal held when it was opened."""
+        return len(self._keys)
+
+    def lookup(self, key: int) -> tuple[bytes, int, str | None] | None:
+        """(sha256, `where` its pixels are or -1, reason when unusable) journalled for a file's
+        `stat_key`, or None."""
+        i = int(np.searchsorted(self._keys, np.uint64(key)))
+        if i == len(self._keys) or self._keys[i] != key:
+            return None
+        line = int(self._lines_of[i])
+        return digest_at(self._digests, line), int(self._wheres[line]), self._reasons.get(line)
+
+    def record(self, key: int, digest: bytes, image: np.ndarray | None, reason: str | None) -> int:
+        """Keep one file's outcome; returns `where` its pixels are (-1 when there are none)."""
+        at, segment, row = -1, -1, -1
+        if image is not None:
+            if self._rows >= self.rows_per_segment:
+                self._next_segment()
+            self._pixels.write(np.ascontiguousarray(image).tobytes())
+            self._pixels.flush()  # readable by `pixels` at once; durable at the next `sync`
+            segment, row = self._segment, self._rows
+            at, self._rows = where(segment, row), self._rows + 1
+        self._pending.append(json.dumps({"key": key, "sha256": digest.hex(), "seg": segment, "row": row,
+                                         "reason": reason}))
+        if len(self._pending) >= CHUNK and time.monotonic() - self._synced_at >= SYNC_EVERY_S:
+            self.sync()
+        return at
+
+    def _next_segment(self) -> None:
+        if self._pixels is not None:
+            self.sync()
+            self._pixels.close()
+        self._segment += 1
+        self._pixels, self._rows = open(self.segment_path(self._segment), "xb"), 0
+
+    def sync(self) -> None:
+        """Make the pixels durable, then write the lines that point at them."""
+        if self._pixels is not None:
+            self._pixels.flush()
+            os.fsync(self._pixels.fileno())
+        if self._pending:
+            self._lines.write("\n".join(self._pending) + "\n")
+            self._lines.flush()
+            os.fsync(self._lines.fileno())
+            self._pending.clear()
+        self._synced_at = time.monotonic()
+
+    def frame_of(self, at: int) -> tuple[Path, int]:
+        """(segment file, row) of a `where`."""
+        return self.segment_path(at >> 32), at & 0xFFFFFFFF
+
+    def pixels(self, at: int) -> np.ndarray:
+        """One decoded image back (pread, not a memory map: see `PreviousStore.pixels`)."""
+        segment, row = at >> 32, at & 0xFFFFFFFF
+        if self._pixels is not None:
+            self._pixels.flush()
+        if segment not in self._readers:
+            self._readers[segment] = os.open(self.segment_path(segment), os.O_RDONLY)
+        return read_frame(self._readers[segment], row, self.shape)
+
+    def close(self) -> None:
+        self.sync()
+        self._lines.close()
+        if self._pixels is not None:
+            self._pixels.close()
+            self._pixels = None
+        for fd in self._readers.values():
+            os.close(fd)
+        self._readers.clear()
