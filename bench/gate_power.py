@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cnnpipe.config import ReleaseConfig
+from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.release.gate import GateRules, judge
 
 SIZES = (200, 1_000, 5_000, 20_000)

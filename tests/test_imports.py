@@ -95,7 +95,7 @@ def test_the_check_finds_a_longer_circle_and_a_file_importing_itself():
 
 MAX_LINES = 400
 """Small, readable modules: DEVELOPERS.md's bar for every file under src/cnnpipe."""
-SPLIT_PENDING = {"data/ingest.py"}
+SPLIT_PENDING: set[str] = set()
 """Over the bar while their split is under way elsewhere; an entry that is back under it fails the test
 below, so this set empties as the splits land."""
 

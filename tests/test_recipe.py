@@ -10,7 +10,8 @@ import pytest
 import timm
 import torch
 
-from cnnpipe.config import DataConfig, ModelConfig, ReleaseConfig, TrainConfig, VariantConfig
+from cnnpipe.config import DataConfig, ModelConfig, TrainConfig, VariantConfig
+from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.data.prepare import prepare
 from cnnpipe.data import store as prepared_store
 from cnnpipe.data.store import open_split

@@ -9,7 +9,7 @@ from pathlib import Path
 import gto.api
 import pytest
 
-from cnnpipe.config import ReleaseConfig
+from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.release import promote as promote_mod
 from cnnpipe.release.production import ProductionUnknown, artifact_events, in_stage, resolve
 

@@ -20,12 +20,12 @@ from cnnpipe.config import (
     ModelConfig,
     ParamsError,
     ProfileConfig,
-    ReleaseConfig,
     RunConfig,
     TrainConfig,
     VariantConfig,
     reject,
 )
+from cnnpipe.release_config import ReleaseConfig
 
 __all__ = ["ParamsError", "build_section", "data_config", "load_params", "release_config", "resolve", "run_config"]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from cnnpipe.config import ReleaseConfig
+from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
 from cnnpipe.release.production import resolve
 

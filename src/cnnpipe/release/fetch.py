@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cnnpipe.config import ReleaseConfig
+from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.files import write_json
 from cnnpipe.release.champion import artifact_path, download
 from cnnpipe.release.production import ProductionUnknown, artifact_events, git, in_stage

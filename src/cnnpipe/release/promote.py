@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cnnpipe.config import ReleaseConfig
+from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.params import ParamsError, load_params, release_config
 from cnnpipe.release.production import (
     ProductionUnknown,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cnnpipe.config import ReleaseConfig
+from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.data.loaders import build_eval_loader
 from cnnpipe.data.store import PreparedSplit, open_split, read_index
 from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json

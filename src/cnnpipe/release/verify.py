@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from cnnpipe.config import ReleaseConfig
+from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.release.production import ProductionUnknown, artifact_events, git
 
 GATE = "metrics/gate.json"

@@ -1,0 +1,76 @@
+"""The `release:` section of ``params.yaml``: which model is in production and what a challenger must do
+to replace it. Kept apart from `cnnpipe.config` so each file stays one screenful of sections."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cnnpipe.config import reject
+
+
+@dataclass(frozen=True)
+class ReleaseConfig:
+    """`release:` section: which model is in production, and what a challenger must do to replace it
+    (docs/weekly-loop.md has the operating characteristics of these defaults)."""
+
+    artifact: str = "fashion-classifier"
+    """The model's name under `artifacts:` in dvc.yaml: what GTO registers and assigns."""
+    stage: str = "prod"
+    """The GTO stage whose model is the champion."""
+    remote: str | None = "origin"
+    """The git remote whose tags say what is in production: the champion stage and promote fetch them
+    first and refuse when local and remote tags disagree; promote pushes its tags there. A repository
+    without this remote uses its local tags; null: local tags only, on purpose."""
+    margin: float = 0.01
+    """Non-inferiority margin on top-1, on the images of the classes the champion knows: the
+    challenger may be at worst this much below the champion (one-sided 95% lower bound)."""
+    min_support: int = 20
+    """Classes with fewer test images are listed but not judged by the per-class rules."""
+    max_class_drop: float = 0.05
+    """A class fails when it lost recall beyond doubt (Holm-adjusted exact test) and by more than this."""
+    too_small: Literal["bless", "refuse"] = "bless"
+    """What the loop does when the test set is too small to judge the margin: `bless` with the warning
+    in gate.md (a small catalog can still ship; a clear regression is still refused), or `refuse`."""
+    new_class_min_recall: float = 0.5
+    """A new class fails when its recall is below this beyond doubt."""
+    max_to_new_class: float = 0.25
+    """The most of an old class's test images the challenger may now call one new class."""
+    renamed: dict[str, str] = field(default_factory=dict)
+    """Classes renamed since the champion, {old: new}: compared as one class by the gate, and the
+    warm start keeps the old class's classifier row for the new name."""
+    warm_start_across_recipes: bool = False
+    """Let `model.init: champion` start from a champion whose input recipe (stored size, channels,
+    input size, normalisation) differs from this run's; refused by default."""
+    floors: dict[str, float] = field(default_factory=lambda: {"top1": 0.5})
+    """Lowest allowed values of the challenger's own eval.json metrics (top1, top5, macro_f1, ...)."""
+
+    def __post_init__(self) -> None:
+        for key in ("artifact", "stage"):
+            value = getattr(self, key)
+            if not (isinstance(value, str) and re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", value)):
+                reject(f"release.{key}", value, "a GTO name: lowercase letters, digits and dashes")
+        if self.remote is not None and not (isinstance(self.remote, str) and self.remote.strip()):
+            reject("release.remote", self.remote, "a git remote's name (e.g. origin), or null for local tags only")
+        if not 0.0 <= self.margin < 1.0:
+            reject("release.margin", self.margin, "a share of top-1 in [0, 1), e.g. 0.01 for one point")
+        if not (isinstance(self.min_support, int) and self.min_support >= 1):
+            reject("release.min_support", self.min_support, "an integer >= 1")
+        if not 0.0 <= self.max_class_drop <= 1.0:
+            reject("release.max_class_drop", self.max_class_drop, "a share of recall in [0, 1]")
+        if self.too_small not in ("bless", "refuse"):
+            reject("release.too_small", self.too_small, "bless | refuse")
+        if not 0.0 <= self.new_class_min_recall <= 1.0:
+            reject("release.new_class_min_recall", self.new_class_min_recall, "a recall in [0, 1]")
+        if not 0.0 <= self.max_to_new_class <= 1.0:
+            reject("release.max_to_new_class", self.max_to_new_class, "a share of a class's test images in [0, 1]")
+        if not (isinstance(self.renamed, dict) and all(isinstance(k, str) and isinstance(v, str) and k != v
+                                                        for k, v in self.renamed.items())):
+            reject("release.renamed", self.renamed, "a mapping of old class name to new class name, e.g. {tshirt: t-shirt}")
+        if len(set(self.renamed.values())) != len(self.renamed):
+            reject("release.renamed", self.renamed, "each new name once")
+        if not isinstance(self.warm_start_across_recipes, bool):
+            reject("release.warm_start_across_recipes", self.warm_start_across_recipes, "true | false")
+        if not isinstance(self.floors, dict) or not all(isinstance(v, (int, float)) for v in self.floors.values()):
+            reject("release.floors", self.floors, "a mapping of eval.json metric to its lowest allowed value")
