@@ -16,7 +16,7 @@ import yaml
 from cnnpipe.config import DataConfig
 from cnnpipe.data.prepare import DataError, prepare
 from cnnpipe.data.split import hashed_unit
-from cnnpipe.data.store import suppliers
+from cnnpipe.data.store import new_rows, suppliers
 from conftest import colour_image, save_image
 
 
@@ -414,3 +414,26 @@ def test_a_folder_tree_groups_photos_by_a_file_name_rule(tmp_path):
         assert len({split_of[f"shoes/sku{sku:04d}_{view}.png"] for view in ("front", "back", "side")}) == 1
     assert {split_of[p] for p in split_of if p.startswith("shoes/")} == {"train", "val", "test"}
     assert report["groups"] == {"groups": 31, "photos_in_groups": 91}
+
+
+def test_the_store_marks_the_images_new_since_the_previous_store(tmp_path):
+    """What the delivery check and the gate's slices read: new bytes, in each split's order."""
+    root = tmp_path / "catalog"
+    for i in range(30):
+        _photo(root, "shoes", i)
+        _photo(root, "bags", i)
+    cfg = DataConfig(source=str(root), stored_size=8, image_size=8, prepare_workers=1)
+    first = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    assert all(new_rows(tmp_path / "p", s).all() for s in ("train", "val", "test"))  # no store before
+    assert sum(first["new_images"].values()) == 60
+    for i in range(30, 50):
+        _photo(root, "shoes", i)
+    _photo(root, "bags", 0, quality=60)  # re-exported: new bytes
+    report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    fresh = {f"shoes/{i:03d}.jpg" for i in range(30, 50)} | {"bags/000.jpg"}
+    for split in ("train", "val", "test"):
+        sources = [json.loads(line)["source"] for line in (tmp_path / "p" / f"{split}_meta.jsonl").read_text().splitlines()]
+        marked = new_rows(tmp_path / "p", split)
+        assert len(marked) == len(sources)
+        assert {s for s, new in zip(sources, marked) if new} == fresh & set(sources), split
+    assert sum(report["new_images"].values()) == len(fresh)

@@ -26,7 +26,7 @@ from cnnpipe.data.journal import Journal
 from cnnpipe.data.keys import HexDigests, digest_at
 from cnnpipe.data.ledger import RECORD, Ledger, records_from_store, write_ledger
 from cnnpipe.data.previous import FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
-from cnnpipe.data.report import leakage, listed, split_changes, split_codes
+from cnnpipe.data.report import leakage, listed, mark_new, split_changes, split_codes
 from cnnpipe.data.split import content_split
 from cnnpipe.data.sticky import Assigned, assign_splits, split_rule, stable_cap
 from cnnpipe.data.store import SPLITS
@@ -301,6 +301,7 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
         shutil.rmtree(new_ledger, ignore_errors=True)
         raise
     report["changes"] = split_changes(store.tree, new_store)
+    report["new_images"] = mark_new(store.tree, new_store)
     if recovered:
         report["recovered"] = recovered
     swap_in([(new_store, out_dir), (new_ledger, ledger_dir)])

@@ -70,6 +70,23 @@ def _members(store: Tree | None) -> list[np.ndarray] | None:
     return out
 
 
+def mark_new(previous: Tree | None, current: Path) -> dict[str, int]:
+    """Write `<split>_new.npy` into the store at `current`: per image, in the split's order, whether
+    its bytes are new since the `previous` store (in none of its splits; every image without one).
+    What the week's checks slice by: the delivery check reads this week's new photos, the gate
+    reports them apart from last week's. Returns the new images per split."""
+    before = _members(previous)
+    known = np.unique(np.concatenate(before)) if before else np.zeros(0, dtype="S32")
+    counts = {}
+    for split in SPLITS:
+        keys = current / f"{split}_keys.npy"
+        if keys.exists():
+            new = ~np.isin(np.load(keys)["sha256"], known)
+            np.save(current / f"{split}_new.npy", new)
+            counts[split] = int(new.sum())
+    return counts
+
+
 def split_changes(previous: Tree | None, current: Path) -> dict[str, Any] | None:
     """Images each split gained and lost against the previous store, and how many images present in
     both changed split (0 unless a reset was asked for, or new photos joined known ones to a copy or

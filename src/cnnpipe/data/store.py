@@ -10,6 +10,7 @@ Layout of a prepared directory::
     <split>_rows.npy         (N, 2) int32: each image's shard (its place in index.json's list) and row
     <split>_labels.npy       int64 labels
     <split>_keys.npy         each image's sha256 and the key of its file's path, size and mtime
+    <split>_new.npy          bool: the image's bytes are new since the previous store (`new_rows`)
     <split>_meta.jsonl       one line per image: source path and sha256 of the source bytes (and, for
                              image files, their size and mtime: unchanged files are not read again)
     recipe.json              the decoding rules and size (image files only): which stores can share pixels
@@ -313,6 +314,13 @@ def test_sources(prepared_dir: Path, n: int | None = None) -> list[str]:
     evaluate's predictions.csv lists and the gate checks it against."""
     with open(Path(prepared_dir) / "test_meta.jsonl", encoding="utf-8") as fh:
         return list(itertools.islice((json.loads(line)["source"] for line in fh), n))
+
+
+def new_rows(prepared_dir: Path, split: str) -> np.ndarray | None:
+    """Per image of the split, in its order, whether its bytes are new since the store before this one
+    (this week's photos); None for a store written before prepare recorded it."""
+    path = Path(prepared_dir) / f"{split}_new.npy"
+    return np.load(path) if path.exists() else None
 
 
 def suppliers(prepared_dir: Path, split: str) -> list[str | None]:
