@@ -146,6 +146,7 @@ def test_three_weeks_bless_promote_refuse_serve_and_roll_back(project, tmp_path)
     assert gate["blessed"], gate["reasons"]
     assert gate["paired"]["images"] == 300 and [c["class"] for c in gate["new_classes"]] == ["purple"]
     assert any("20 images of new classes left out" in r for r in gate["reasons"])
+    assert gate["slices"]["last week's test images"]["images"] == 300  # this week's are purple: judged on their own
     assert promote(project).returncode == 0
     assert {f"{ARTIFACT}@v0.2.0", f"{ARTIFACT}#prod#2"} <= remote_tags(origin)
 

@@ -40,6 +40,9 @@ class ReleaseConfig:
     renamed: dict[str, str] = field(default_factory=dict)
     """Classes renamed since the champion, {old: new}: compared as one class by the gate, and the
     warm start keeps the old class's classifier row for the new name."""
+    max_relabel_share: float = 0.05
+    """A class whose images the week relabelled (bytes the split ledger knew under it, now under another
+    label) beyond this share gets a warning in gate.md: look at the delivery before its numbers."""
     warm_start_across_recipes: bool = False
     """Let `model.init: champion` start from a champion whose input recipe (stored size, channels,
     input size, normalisation) differs from this run's; refused by default."""
@@ -65,6 +68,8 @@ class ReleaseConfig:
             reject("release.new_class_min_recall", self.new_class_min_recall, "a recall in [0, 1]")
         if not 0.0 <= self.max_to_new_class <= 1.0:
             reject("release.max_to_new_class", self.max_to_new_class, "a share of a class's test images in [0, 1]")
+        if not 0.0 <= self.max_relabel_share <= 1.0:
+            reject("release.max_relabel_share", self.max_relabel_share, "a share of a class's images in [0, 1]")
         if not (isinstance(self.renamed, dict) and all(isinstance(k, str) and isinstance(v, str) and k != v
                                                         for k, v in self.renamed.items())):
             reject("release.renamed", self.renamed, "a mapping of old class name to new class name, e.g. {tshirt: t-shirt}")

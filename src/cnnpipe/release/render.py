@@ -62,5 +62,10 @@ def render(verdict: dict[str, Any]) -> str:
         for r in verdict["to_new_classes"]:
             lines.append(f"| {_cell(r['from'])} | {_cell(r['to'])} | {r['images']} of {r['of']} | {r['share']:.1%} | "
                          f"{'FAILS' if r['failing'] else ''} |")
+    if verdict.get("relabels"):
+        lines += ["", "## Relabelled this week (bytes the split ledger knew under another label)", "",
+                  "| From | To | Images | Share of the former class |", "|---|---|---:|---:|"]
+        lines += [f"| {_cell(r['from'])} | {_cell(r['to'])} | {r['images']} | {r['share_of_from']:.1%} |"
+                  for r in verdict["relabels"]]
     lines += ["", "Promote a blessed model with `python -m cnnpipe.promote` (it refuses a refused one).", ""]
     return "\n".join(lines)

@@ -22,6 +22,7 @@ from cnnpipe.data.store import PreparedSplit, open_split, read_index
 from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
 from cnnpipe.release.gate import GateRules, class_map, judge
 from cnnpipe.release.render import render
+from cnnpipe.release.slices import slice_masks, week_relabels
 from cnnpipe.train.precision import autocast
 from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, store_recipe
 from cnnpipe.train.trained import load_trained, make_transform
@@ -47,9 +48,10 @@ def answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit, 
 
 
 def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_metrics: Path, prepared_dir: Path,
-             out_dir: Path, device: torch.device) -> dict[str, Any]:
+             out_dir: Path, device: torch.device, data_report: Path | None = None) -> dict[str, Any]:
     """Judge the challenger (`challenger`/best.pt, its eval.json in `challenger_metrics`) against the
-    champion stage's output in `champion`; write gate.json and gate.md to `out_dir`."""
+    champion stage's output in `champion`; write gate.json and gate.md to `out_dir`. The slices and the
+    week's relabels (from prepare's `data_report`) are reported beside the verdict."""
     index = read_index(prepared_dir)
     classes, store = list(index["classes"]), store_recipe(index)
     split = open_split(prepared_dir, "test")
@@ -84,8 +86,9 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
         else:
             their_pred, _ = answers(their_model, their_meta, split, device)
             verdict = judge(split.labels, their_pred, ours, classes, their_meta["classes"], rules, ours_known,
-                            metrics=metrics)
-    verdict["warnings"] = verdict.get("warnings", []) + notes
+                            metrics=metrics, slices=slice_masks(prepared_dir))
+    verdict["relabels"], relabelled = week_relabels(data_report, index, cfg.max_relabel_share)
+    verdict["warnings"] = verdict.get("warnings", []) + notes + relabelled
     verdict["champion"] = about or None
     verdict["challenger"] = {"model": str(challenger / "best.pt"), "sha256": file_sha256(challenger / "best.pt"),
                              "input": recipe_of(meta), "test_images": len(split)}
@@ -94,6 +97,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
                         "min_support": cfg.min_support, "max_class_drop": cfg.max_class_drop,
                         "too_small": cfg.too_small, "new_class_min_recall": cfg.new_class_min_recall,
                         "max_to_new_class": cfg.max_to_new_class, "renamed": dict(cfg.renamed),
+                        "max_relabel_share": cfg.max_relabel_share,
                         "floors": dict(cfg.floors), "stage": cfg.stage, "artifact": cfg.artifact}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "gate.json", verdict)
