@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks as one script for a lent CUDA machine, in one 10-minute window (limits add to 8.9 min):
+# The GPU checks as one script for a lent CUDA machine (limits add to 11.6 min; SKIP_COMPILE=1: 9.8 min):
 #   1. device  (45 s): does the GPU path work at all? torch sees the GPU, a bf16 matmul and one
 #                      ResNet-50 training step run; printed in the first minute.
 #   2. tests   (100 s): tests/test_gpu.py (CUDA only) and tests/test_gpu_ready.py.
@@ -9,8 +9,13 @@
 #   5. nvml    (50 s): NVML busy sampled every 20 ms over 200 un-profiled steps of the tuned optimized
 #                      recipe, beside the profile's busy share, and the host's microseconds per step
 #                      (the loop's time when it does not wait for the GPU).
-#   6. compile (2 x 55 s): bf16 + channels_last under torch.compile, mode "default" and
+#   6. jpeg    (60 s): the CUDA tests of the codec (nvJPEG against the CPU decoder) and nvJPEG's batch
+#                      decode img/s at 224 px (`bench/store_encoding.py --device cuda`).
+#   7. profile_jpeg (100 s): the optimized recipe's profile from a JPEG store of the same data (decoded
+#                      by the loader's CPU workers), beside step 4's raw store: training img/s JPEG vs raw.
+#   8. compile (2 x 55 s): bf16 + channels_last under torch.compile, mode "default" and
 #                      "reduce-overhead" (CUDA graphs) timed apart.
+# Steps 6-7 add 2.7 min (11.6 min in all): in one 10-minute window, skip step 8 (SKIP_COMPILE=1).
 # Only small summaries (.json, .md, .txt) go to the output folder; data and traces stay in $WORK.
 #
 #   OUT=/tmp/gpu bash bench/gpu_checks.sh        # needs torch with CUDA and timm; no network
@@ -71,12 +76,18 @@ export OUT
 step tests 100 "$PY" -m pytest tests/test_gpu.py tests/test_gpu_ready.py -ra -q -p no:cacheprovider -p no:randomly
 step throughput 50 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5
 step profile 180 "$PY" bench/device_profile.py --device cuda --size 224 --train-images 20000 --time-box 75 \
-    --prepare-workers 8 --work "$WORK" --out "$WORK/profile"
+    --prepare-workers 8 --work "$WORK" --out "$WORK/profile" --encoding raw
 for f in baseline.json optimized.json; do  # (at most 8 files come back from a lent machine)
     [ -f "$WORK/profile/$f" ] && cp "$WORK/profile/$f" "$OUT/profile_$f"
 done
 step nvml 50 "$PY" bench/nvml_busy.py --device cuda --prepared "$WORK/prepared" --profile "$WORK/profile/optimized.json" \
     --steps 200 --interval 0.02
+step jpeg 60 "$PY" -m pytest tests/test_codec.py -q -p no:cacheprovider -p no:randomly -k "cuda or nvjpeg"
+step nvjpeg 60 "$PY" bench/store_encoding.py --device cuda --sizes 224
+step profile_jpeg 100 "$PY" bench/device_profile.py --device cuda --size 224 --train-images 20000 --time-box 45 \
+    --prepare-workers 8 --work "$WORK/jpeg" --out "$WORK/profile_jpeg" --encoding jpeg --variants optimized
+[ -f "$WORK/profile_jpeg/optimized.json" ] && cp "$WORK/profile_jpeg/optimized.json" "$OUT/profile_jpeg_optimized.json"
+[ -n "${SKIP_COMPILE:-}" ] && exit $status
 step compile_default 55 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5 \
     --compile default
 step compile_reduce_overhead 55 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5 \

@@ -18,6 +18,7 @@ from cnnpipe.config import DataConfig, ParamsError
 from cnnpipe.data import codec
 from cnnpipe.data.prepare import prepare, prepare_fashion_mnist, store_encoding
 from cnnpipe.data.store import SHARDS, data_fingerprint, open_split, read_index
+from cnnpipe.train.recipe import STORE_KEYS, input_recipe, photo_input, recipe_differences, store_recipe
 from conftest import colour_image, save_image
 from test_shards import make_catalog, split_view, train_a_few_steps
 
@@ -207,3 +208,19 @@ def test_a_jpeg_shard_without_its_offsets_is_named_when_opened(tmp_path):
 def test_a_bad_encoding_or_quality_names_its_key(key, value):
     with pytest.raises(ParamsError, match=rf"data\.{key}"):
         DataConfig(**{key: value})
+
+
+def test_predict_reads_a_photo_as_the_jpeg_store_holds_it_and_the_gate_sees_the_encoding(tmp_path):
+    make_photos(tmp_path / "catalog", 0, 30, side=40)
+    cfg = DataConfig(source=str(tmp_path / "catalog"), stored_size=32, image_size=32, prepare_workers=1, encoding="jpeg")
+    prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
+    recipe = input_recipe(cfg, 3, (0.5,) * 3, (0.25,) * 3)
+    train = open_split(tmp_path / "p", "train")
+    source = json.loads((tmp_path / "p" / "train_meta.jsonl").read_text().splitlines()[0])["source"]
+    photo = photo_input(recipe, tmp_path / "catalog" / source, cfg.max_pixels)
+    assert np.array_equal(photo, train.images[0])  # predict's pixels are training's, bit for bit
+    raw_recipe = input_recipe(DataConfig(**{**cfg.__dict__, "encoding": "raw"}), 3, (0.5,) * 3, (0.25,) * 3)
+    assert not np.array_equal(photo_input(raw_recipe, tmp_path / "catalog" / source, cfg.max_pixels), photo)
+    store = store_recipe(read_index(tmp_path / "p"))
+    assert recipe_differences(recipe, store, STORE_KEYS) == []
+    assert recipe_differences(raw_recipe, store, STORE_KEYS) == [f"stored_as: 'raw' != {store['stored_as']!r}"]
