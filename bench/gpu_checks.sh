@@ -82,7 +82,7 @@ for f in baseline.json optimized.json; do  # (at most 8 files come back from a l
 done
 step nvml 50 "$PY" bench/nvml_busy.py --device cuda --prepared "$WORK/prepared" --profile "$WORK/profile/optimized.json" \
     --steps 200 --interval 0.02
-step jpeg 60 "$PY" -m pytest tests/test_codec.py -q -p no:cacheprovider -p no:randomly -k "cuda or nvjpeg"
+step jpeg 60 "$PY" -m pytest tests/test_codec.py tests/test_encoded.py -q -p no:cacheprovider -p no:randomly -k "cuda or nvjpeg"
 step nvjpeg 60 "$PY" bench/store_encoding.py --device cuda --sizes 224
 step profile_jpeg 100 "$PY" bench/device_profile.py --device cuda --size 224 --train-images 20000 --time-box 45 \
     --prepare-workers 8 --work "$WORK/jpeg" --out "$WORK/profile_jpeg" --encoding jpeg --variants optimized

@@ -9,8 +9,14 @@ transform is left out: this times what the store costs, not the model's input. P
 epoch (median and range of `--epochs`, after one warm-up epoch) and JPEG against raw, with the
 store's bytes per image. The machine is shared: run it twice, and trust what agrees.
 
+`--train N` times training instead: N steps of ResNet-50 (timm, random init) fed by that loader, its
+device transform (random-resized crop, flip, normalise at the stored size), channels_last, bf16
+autocast on the CPU and SGD, after two warm-up steps, the raw and the JPEG store in alternating
+rounds (`--rounds`): training img/s from each, and JPEG against raw.
+
     python bench/jpeg_loader.py                                # 64 and 128 px, 0 and 2 workers
     python bench/jpeg_loader.py --sizes 128 --workers 2 --images 8192
+    python bench/jpeg_loader.py --sizes 128 --workers 1 --train 6 --batch-size 64 --images 2048
 """
 
 from __future__ import annotations
@@ -61,6 +67,31 @@ def epoch_rates(store: Path, batch_size: int, workers: int, epochs: int) -> list
     return rates
 
 
+def train_rate(store: Path, batch_size: int, workers: int, steps: int) -> float:
+    """Training img/s of ResNet-50 fed from `store` over `steps` steps, after two warm-up steps."""
+    import timm
+
+    torch.manual_seed(0)
+    split = open_split(store, "train")
+    loader = build_train_loader(split, kind="fast", batch_size=batch_size, aug=AugmentConfig(split.images.shape[1]),
+                                mean=(0.5,) * 3, std=(0.25,) * 3, seed=0, num_workers=workers, channels_last=True)
+    model = timm.create_model("resnet50", num_classes=10).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batches = iter(loader)
+    start, seen = 0.0, 0
+    for step in range(steps + 2):
+        if step == 2:
+            start = time.perf_counter()
+        images, labels = next(batches)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(loader.device_transform(images)), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        seen += len(images) if step >= 2 else 0
+    return seen / (time.perf_counter() - start)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
@@ -70,22 +101,37 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--quality", type=int, default=90)
     parser.add_argument("--photos", type=Path, default=None)
+    parser.add_argument("--train", type=int, default=0, help="time this many training steps instead of epochs")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1 if not args.train else torch.get_num_threads())
     photos = [to_rgb(Image.open(p)) for p in find_photos(args.photos)]
     if not photos:
         print("no photos: pass --photos DIR or install the `bench` extra (scikit-image)")
         return 1
+    timed = f"{args.train} steps x {args.rounds} rounds" if args.train else f"{args.epochs} epochs"
     print(f"{len(photos)} photos, {args.images} images per store, batch {args.batch_size}, "
-          f"{args.epochs} epochs after a warm-up, quality {args.quality}")
-    print("| stored size | workers | raw img/s | JPEG img/s | JPEG / raw | bytes/image raw | JPEG |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"{timed} after a warm-up, quality {args.quality}")
+    if not args.train:
+        print("| stored size | workers | raw img/s | JPEG img/s | JPEG / raw | bytes/image raw | JPEG |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory(prefix="jpeg_loader-") as tmp:
         for size in args.sizes:
             squares = photo_set(photos, size, 3)
             images = squares[np.arange(args.images) % len(squares)]
             stores = {enc: Path(tmp) / f"{enc}-{size}" for enc in ("raw", "jpeg")}
             sizes = {enc: write_store(path, images, enc, args.quality) for enc, path in stores.items()}
+            if args.train:
+                for workers in args.workers:
+                    got = {enc: [] for enc in stores}
+                    for _ in range(args.rounds):
+                        for enc, path in stores.items():
+                            got[enc].append(train_rate(path, args.batch_size, workers, args.train))
+                    print(f"training, {size} px, {workers} workers, {torch.get_num_threads()} threads: "
+                          + ", ".join(f"{enc} {statistics.median(r):.1f} img/s ({', '.join(f'{x:.1f}' for x in r)})"
+                                      for enc, r in got.items())
+                          + f"; JPEG / raw {statistics.median(got['jpeg']) / statistics.median(got['raw']):.3f}", flush=True)
+                continue
             for workers in args.workers:
                 got = {enc: epoch_rates(path, args.batch_size, workers, args.epochs) for enc, path in stores.items()}
                 med = {enc: statistics.median(r) for enc, r in got.items()}
