@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks as one script for a lent CUDA machine (limits add to 11.6 min; SKIP_COMPILE=1: 9.8 min):
+# The GPU checks as one script for a lent CUDA machine (limits add to 12.3 min; SKIP_COMPILE=1: 10.5 min):
 #   1. device  (45 s): does the GPU path work at all? torch sees the GPU, a bf16 matmul and one
 #                      ResNet-50 training step run; printed in the first minute.
 #   2. tests   (100 s): tests/test_gpu.py (CUDA only) and tests/test_gpu_ready.py.
@@ -11,11 +11,12 @@
 #                      (the loop's time when it does not wait for the GPU).
 #   6. jpeg    (60 s): the CUDA tests of the codec (nvJPEG against the CPU decoder) and nvJPEG's batch
 #                      decode img/s at 224 px (`bench/store_encoding.py --device cuda`).
-#   7. profile_jpeg (100 s): the optimized recipe's profile from a JPEG store of the same data (decoded
-#                      by the loader's CPU workers), beside step 4's raw store: training img/s JPEG vs raw.
+#   7. jpeg_train (100 s): ResNet-50 training img/s at 224 px (bf16, channels_last, the fast loader
+#                      and its device transform, 8 workers) from a raw store, from a JPEG store decoded
+#                      by the workers, and from the JPEG store decoded by nvJPEG (`bench/jpeg_loader.py`).
 #   8. compile (2 x 55 s): bf16 + channels_last under torch.compile, mode "default" and
 #                      "reduce-overhead" (CUDA graphs) timed apart.
-# Steps 6-7 add 2.7 min (11.6 min in all): in one 10-minute window, skip step 8 (SKIP_COMPILE=1).
+# Steps 6-7 add 3.7 min of limits; SKIP_COMPILE=1 leaves step 8 out.
 # Only small summaries (.json, .md, .txt) go to the output folder; data and traces stay in $WORK.
 #
 #   OUT=/tmp/gpu bash bench/gpu_checks.sh        # needs torch with CUDA and timm; no network
@@ -84,9 +85,8 @@ step nvml 50 "$PY" bench/nvml_busy.py --device cuda --prepared "$WORK/prepared" 
     --steps 200 --interval 0.02
 step jpeg 60 "$PY" -m pytest tests/test_codec.py tests/test_encoded.py -q -p no:cacheprovider -p no:randomly -k "cuda or nvjpeg"
 step nvjpeg 60 "$PY" bench/store_encoding.py --device cuda --sizes 224
-step profile_jpeg 100 "$PY" bench/device_profile.py --device cuda --size 224 --train-images 20000 --time-box 45 \
-    --prepare-workers 8 --work "$WORK/jpeg" --out "$WORK/profile_jpeg" --encoding jpeg --variants optimized
-[ -f "$WORK/profile_jpeg/optimized.json" ] && cp "$WORK/profile_jpeg/optimized.json" "$OUT/profile_jpeg_optimized.json"
+step jpeg_train 100 "$PY" bench/jpeg_loader.py --sizes 224 --workers 8 --train 30 --batch-size 256 --images 8192 \
+    --device cuda --decode cpu device
 [ -n "${SKIP_COMPILE:-}" ] && exit $status
 step compile_default 55 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5 \
     --compile default

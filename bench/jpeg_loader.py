@@ -11,12 +11,15 @@ store's bytes per image. The machine is shared: run it twice, and trust what agr
 
 `--train N` times training instead: N steps of ResNet-50 (timm, random init) fed by that loader, its
 device transform (random-resized crop, flip, normalise at the stored size), channels_last, bf16
-autocast on the CPU and SGD, after two warm-up steps, the raw and the JPEG store in alternating
-rounds (`--rounds`): training img/s from each, and JPEG against raw.
+autocast and SGD, after two warm-up steps, the raw and the JPEG store in alternating rounds
+(`--rounds`): training img/s from each, and JPEG against raw. `--device cuda` trains on the GPU
+(`bench/gpu_checks.sh`); `--decode cpu device` adds a third feed, the JPEG store's batches decoded
+by nvJPEG on the device (`data.encoded`).
 
     python bench/jpeg_loader.py                                # 64 and 128 px, 0 and 2 workers
     python bench/jpeg_loader.py --sizes 128 --workers 2 --images 8192
     python bench/jpeg_loader.py --sizes 128 --workers 1 --train 6 --batch-size 64 --images 2048
+    python bench/jpeg_loader.py --sizes 224 --workers 8 --train 30 --device cuda --decode cpu device
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +37,7 @@ import torch
 from PIL import Image
 
 from cnnpipe.data.decode import to_rgb
+from cnnpipe.data.encoded import build_device_decoded_loader
 from cnnpipe.data.loaders import AugmentConfig, build_train_loader
 from cnnpipe.data.store import open_split
 from cnnpipe.data.writer import StoreWriter
@@ -67,28 +72,39 @@ def epoch_rates(store: Path, batch_size: int, workers: int, epochs: int) -> list
     return rates
 
 
-def train_rate(store: Path, batch_size: int, workers: int, steps: int) -> float:
-    """Training img/s of ResNet-50 fed from `store` over `steps` steps, after two warm-up steps."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # the clock reads after the queued work, not before it
+        torch.cuda.synchronize()
+
+
+def train_rate(store: Path, batch_size: int, workers: int, steps: int, device: torch.device,
+               decode: str = "cpu") -> float:
+    """Training img/s of ResNet-50 fed from `store` over `steps` steps, after two warm-up steps;
+    `decode` `device`: a JPEG store's batches decoded on `device`."""
     import timm
 
     torch.manual_seed(0)
     split = open_split(store, "train")
-    loader = build_train_loader(split, kind="fast", batch_size=batch_size, aug=AugmentConfig(split.images.shape[1]),
-                                mean=(0.5,) * 3, std=(0.25,) * 3, seed=0, num_workers=workers, channels_last=True)
-    model = timm.create_model("resnet50", num_classes=10).to(memory_format=torch.channels_last)
+    build = build_device_decoded_loader if decode == "device" else partial(build_train_loader, kind="fast")
+    loader = build(split, batch_size=batch_size, aug=AugmentConfig(split.images.shape[1]), mean=(0.5,) * 3,
+                   std=(0.25,) * 3, seed=0, num_workers=workers, channels_last=True, pin_memory=device.type == "cuda")
+    model = timm.create_model("resnet50", num_classes=10).to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batches = iter(loader)
     start, seen = 0.0, 0
     for step in range(steps + 2):
         if step == 2:
+            _sync(device)
             start = time.perf_counter()
         images, labels = next(batches)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(model(loader.device_transform(images)), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        seen += len(images) if step >= 2 else 0
+        seen += len(labels) if step >= 2 else 0
+    _sync(device)
     return seen / (time.perf_counter() - start)
 
 
@@ -103,6 +119,9 @@ def main() -> int:
     parser.add_argument("--photos", type=Path, default=None)
     parser.add_argument("--train", type=int, default=0, help="time this many training steps instead of epochs")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--decode", nargs="+", choices=("cpu", "device"), default=["cpu"],
+                        help="where a JPEG store's batches are decoded in --train (several: each is timed)")
     args = parser.parse_args()
     torch.set_num_threads(1 if not args.train else torch.get_num_threads())
     photos = [to_rgb(Image.open(p)) for p in find_photos(args.photos)]
@@ -122,15 +141,20 @@ def main() -> int:
             stores = {enc: Path(tmp) / f"{enc}-{size}" for enc in ("raw", "jpeg")}
             sizes = {enc: write_store(path, images, enc, args.quality) for enc, path in stores.items()}
             if args.train:
+                device = torch.device(args.device)
+                feeds = [("raw", "cpu")] + [("jpeg", where) for where in args.decode]
                 for workers in args.workers:
-                    got = {enc: [] for enc in stores}
+                    got: dict[tuple[str, str], list[float]] = {feed: [] for feed in feeds}
                     for _ in range(args.rounds):
-                        for enc, path in stores.items():
-                            got[enc].append(train_rate(path, args.batch_size, workers, args.train))
-                    print(f"training, {size} px, {workers} workers, {torch.get_num_threads()} threads: "
-                          + ", ".join(f"{enc} {statistics.median(r):.1f} img/s ({', '.join(f'{x:.1f}' for x in r)})"
-                                      for enc, r in got.items())
-                          + f"; JPEG / raw {statistics.median(got['jpeg']) / statistics.median(got['raw']):.3f}", flush=True)
+                        for enc, where in feeds:
+                            got[(enc, where)].append(train_rate(stores[enc], args.batch_size, workers, args.train,
+                                                                device, where))
+                    raw = statistics.median(got[("raw", "cpu")])
+                    print(f"training on {device}, {size} px, {workers} workers, {torch.get_num_threads()} threads: "
+                          + "; ".join(f"{enc}{'' if enc == 'raw' else f' (decoded on the {where})'} "
+                                      f"{statistics.median(r):.1f} img/s ({', '.join(f'{x:.1f}' for x in r)}), "
+                                      f"{statistics.median(r) / raw:.3f}x raw" for (enc, where), r in got.items()),
+                          flush=True)
                 continue
             for workers in args.workers:
                 got = {enc: epoch_rates(path, args.batch_size, workers, args.epochs) for enc, path in stores.items()}
