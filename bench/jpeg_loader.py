@@ -160,7 +160,8 @@ def main() -> int:
                 got = {enc: epoch_rates(path, args.batch_size, workers, args.epochs) for enc, path in stores.items()}
                 med = {enc: statistics.median(r) for enc, r in got.items()}
                 span = {enc: f"{min(r):,.0f}-{max(r):,.0f}" for enc, r in got.items()}
-                print(f"| {size} px | {workers} | {med['raw']:,.0f} ({span['raw']}) | {med['jpeg']:,.0f} ({span['jpeg']}) "
+                print(f"| {size} px | {workers} | {med['raw']:,.0f} ({span['raw']}) "
+                      f"| {med['jpeg']:,.0f} ({span['jpeg']}) "
                       f"| {med['jpeg'] / med['raw']:.2f} | {sizes['raw'] / args.images:,.0f} "
                       f"| {sizes['jpeg'] / args.images:,.0f} |", flush=True)
     return 0

@@ -29,8 +29,8 @@ def smooth_image(seed: int, side: int) -> np.ndarray:
     """A photo-like (side, side, 3) image: smooth colour gradients and a sharp-edged square."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:side, 0:side] / side
-    channels = [128 + 100 * np.sin(2 * np.pi * (rng.uniform(0.3, 1.5) * x + rng.uniform(0.3, 1.5) * y) + rng.uniform(0, 6))
-                for _ in range(3)]
+    channels = [128 + 100 * np.sin(2 * np.pi * (rng.uniform(0.3, 1.5) * x + rng.uniform(0.3, 1.5) * y)
+                                   + rng.uniform(0, 6)) for _ in range(3)]
     image = np.stack(channels, -1)
     a, b = sorted(rng.integers(side // 8, side - side // 8, 2))
     image[a:b, a:b] = rng.integers(0, 255, 3)
@@ -65,7 +65,8 @@ def test_a_jpeg_store_holds_the_raw_stores_images_in_the_same_order_and_splits(t
     for split in ("train", "val", "test"):
         raw, jpeg = open_split(tmp_path / "raw", split), open_split(tmp_path / "jpeg", split)
         assert len(raw) > 0 and np.array_equal(raw.labels, jpeg.labels)
-        assert (tmp_path / "raw" / f"{split}_meta.jsonl").read_text() == (tmp_path / "jpeg" / f"{split}_meta.jsonl").read_text()
+        meta = f"{split}_meta.jsonl"
+        assert (tmp_path / "raw" / meta).read_text() == (tmp_path / "jpeg" / meta).read_text()
         exact, decoded = np.asarray(raw.images), np.asarray(jpeg.images)
         assert decoded.shape == exact.shape and decoded.dtype == np.uint8
         # Exactly the codec's round trip of the raw store's pixels: the same pixels went in, once.
@@ -212,7 +213,8 @@ def test_a_bad_encoding_or_quality_names_its_key(key, value):
 
 def test_predict_reads_a_photo_as_the_jpeg_store_holds_it_and_the_gate_sees_the_encoding(tmp_path):
     make_photos(tmp_path / "catalog", 0, 30, side=40)
-    cfg = DataConfig(source=str(tmp_path / "catalog"), stored_size=32, image_size=32, prepare_workers=1, encoding="jpeg")
+    cfg = DataConfig(source=str(tmp_path / "catalog"), stored_size=32, image_size=32, prepare_workers=1,
+                     encoding="jpeg")
     prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     recipe = input_recipe(cfg, 3, (0.5,) * 3, (0.25,) * 3)
     train = open_split(tmp_path / "p", "train")

@@ -352,7 +352,8 @@ def test_batch_growth_stops_at_the_training_images_a_process_has(monkeypatch, tm
 
     cfg = resolve_auto(config(tmp_path, batch_size=16), torch.device("cpu"))
     monkeypatch.setattr(prof, "build_setup", lambda *a: object())
-    monkeypatch.setattr(prof, "paired_trial", lambda knob, change, *a: Trial(knob, change, 1.5, (1.4, 1.6), 1, 1.5, True))
+    monkeypatch.setattr(prof, "paired_trial",
+                        lambda knob, change, *a: Trial(knob, change, 1.5, (1.4, 1.6), 1, 1.5, True))
     base = types.SimpleNamespace(loader=types.SimpleNamespace(sampler=types.SimpleNamespace(n=40)))
     grown = prof.batch_trials(trial_ctx(cfg, tmp_path, base=base), max_doublings=3)
     assert [t.change["batch_size"] for t in grown] == [32, 64] and grown[0].win

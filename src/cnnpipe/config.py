@@ -109,7 +109,7 @@ class DataConfig:
         if self.encoding not in ("raw", "jpeg", "auto"):
             reject("data.encoding", self.encoding, "raw | jpeg | auto")
         if isinstance(self.quality, bool) or not (isinstance(self.quality, int) and 1 <= self.quality <= 100):
-            reject("data.quality", self.quality, "an integer in [1, 100] (90 is the default; above 95 the bytes grow fast)")
+            reject("data.quality", self.quality, "an integer in [1, 100] (90 by default; above 95 bytes grow fast)")
 
 
 @dataclass(frozen=True)

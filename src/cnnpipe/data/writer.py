@@ -195,7 +195,8 @@ class StoreWriter:
     def _compact(self) -> dict[str, int]:
         """Move the live rows of mostly dead previous shards into new shards; returns what it did."""
         live = self._live_rows()
-        dying = {s for s in range(len(self.shards)) if s not in self._new and live[s] < COMPACT_BELOW * self._rows_in(s)}
+        dying = {s for s in range(len(self.shards))
+                 if s not in self._new and live[s] < COMPACT_BELOW * self._rows_in(s)}
         moved, files = 0, {}
         offsets = {s: read_offsets(self._sidecars[s]) for s in dying} if self.encoding == "jpeg" else {}
         try:
@@ -206,7 +207,8 @@ class StoreWriter:
                         row = rows.row[i]
                         start, stop = ((int(offsets[shard][row]), int(offsets[shard][row + 1])) if offsets
                                        else (row * self.frame_bytes, (row + 1) * self.frame_bytes))
-                        rows.shard[i], rows.row[i] = self._append_record(split, os.pread(files[shard], stop - start, start))
+                        record = os.pread(files[shard], stop - start, start)
+                        rows.shard[i], rows.row[i] = self._append_record(split, record)
                         moved += 1
         finally:
             for fd in files.values():
