@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--time-box", type=float, default=None,
                         help="each profile's time box in seconds, as profile.budget_share gives it (default: none)")
     parser.add_argument("--prepare-workers", type=int, default=None)
+    parser.add_argument("--encoding", choices=("raw", "jpeg", "auto"), default=None,
+                        help="the store's data.encoding (default: the params'; `auto` stores 224 px grayscale as JPEG)")
     args = parser.parse_args()
     work = args.work or args.out / "work"
     raw = synthetic_idx(work / "raw", args.train_images, max(1000, args.train_images // 10))
@@ -64,7 +66,8 @@ def main() -> None:
         image_size = args.size if args.image_size is None else (
             args.image_size if args.image_size == "auto" else int(args.image_size))
         data = dataclasses.replace(cfg.data, image_size=image_size, stored_size=args.size,
-                                   prepare_workers=args.prepare_workers or cfg.data.prepare_workers)
+                                   prepare_workers=args.prepare_workers or cfg.data.prepare_workers,
+                                   encoding=args.encoding or cfg.data.encoding)
         cfg = dataclasses.replace(cfg, data=data)
         cfg = cfg.with_train(device=args.device)
         if not (prepared / "index.json").exists():

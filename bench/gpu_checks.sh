@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks as one script for a lent CUDA machine, in one 10-minute window (limits add to 8.9 min):
+# The GPU checks as one script for a lent CUDA machine (limits add to 12.3 min; SKIP_COMPILE=1: 10.5 min):
 #   1. device  (45 s): does the GPU path work at all? torch sees the GPU, a bf16 matmul and one
 #                      ResNet-50 training step run; printed in the first minute.
 #   2. tests   (100 s): tests/test_gpu.py (CUDA only) and tests/test_gpu_ready.py.
@@ -9,8 +9,14 @@
 #   5. nvml    (50 s): NVML busy sampled every 20 ms over 200 un-profiled steps of the tuned optimized
 #                      recipe, beside the profile's busy share, and the host's microseconds per step
 #                      (the loop's time when it does not wait for the GPU).
-#   6. compile (2 x 55 s): bf16 + channels_last under torch.compile, mode "default" and
+#   6. jpeg    (60 s): the CUDA tests of the codec (nvJPEG against the CPU decoder) and nvJPEG's batch
+#                      decode img/s at 224 px (`bench/store_encoding.py --device cuda`).
+#   7. jpeg_train (100 s): ResNet-50 training img/s at 224 px (bf16, channels_last, the fast loader
+#                      and its device transform, 8 workers) from a raw store, from a JPEG store decoded
+#                      by the workers, and from the JPEG store decoded by nvJPEG (`bench/jpeg_loader.py`).
+#   8. compile (2 x 55 s): bf16 + channels_last under torch.compile, mode "default" and
 #                      "reduce-overhead" (CUDA graphs) timed apart.
+# Steps 6-7 add 3.7 min of limits; SKIP_COMPILE=1 leaves step 8 out.
 # Only small summaries (.json, .md, .txt) go to the output folder; data and traces stay in $WORK.
 #
 #   OUT=/tmp/gpu bash bench/gpu_checks.sh        # needs torch with CUDA and timm; no network
@@ -71,12 +77,17 @@ export OUT
 step tests 100 "$PY" -m pytest tests/test_gpu.py tests/test_gpu_ready.py -ra -q -p no:cacheprovider -p no:randomly
 step throughput 50 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5
 step profile 180 "$PY" bench/device_profile.py --device cuda --size 224 --train-images 20000 --time-box 75 \
-    --prepare-workers 8 --work "$WORK" --out "$WORK/profile"
+    --prepare-workers 8 --work "$WORK" --out "$WORK/profile" --encoding raw
 for f in baseline.json optimized.json; do  # (at most 8 files come back from a lent machine)
     [ -f "$WORK/profile/$f" ] && cp "$WORK/profile/$f" "$OUT/profile_$f"
 done
 step nvml 50 "$PY" bench/nvml_busy.py --device cuda --prepared "$WORK/prepared" --profile "$WORK/profile/optimized.json" \
     --steps 200 --interval 0.02
+step jpeg 60 "$PY" -m pytest tests/test_codec.py tests/test_encoded.py -q -p no:cacheprovider -p no:randomly -k "cuda or nvjpeg"
+step nvjpeg 60 "$PY" bench/store_encoding.py --device cuda --sizes 224
+step jpeg_train 100 "$PY" bench/jpeg_loader.py --sizes 224 --workers 8 --train 30 --batch-size 256 --images 8192 \
+    --device cuda --decode cpu device
+[ -n "${SKIP_COMPILE:-}" ] && exit $status
 step compile_default 55 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5 \
     --compile default
 step compile_reduce_overhead 55 "$PY" bench/throughput.py --device cuda --sizes 224 --batch 256 --steps 15 --warmup 5 \

@@ -65,7 +65,9 @@ def test_an_update_through_dvc_repro_writes_the_new_bytes_and_the_store_is_held_
     params = tiny_params()
     # 128 px, a catalog's usual stored size (49 KB an image): DVC's own bookkeeping of the input files
     # (~1 KB a file and run, in its state database) counts in what `dvc repro` writes, too.
-    params["data"].update(source="data/raw/catalog", stored_size=128, image_size=32, shard_mb=2)
+    # Raw: a JPEG store's update also journals each new photo's raw pixels (transient, in prepared.work)
+    # before encoding it, so its writes are not "the new bytes" of the store (docs/data.md).
+    params["data"].update(source="data/raw/catalog", stored_size=128, image_size=32, shard_mb=2, encoding="raw")
     write_params(producer / "params.yaml", params)
     sh(["git", "init", "-q"], producer)
     sh(["dvc", "remote", "add", "-q", "-d", "shared", str(tmp_path / "remote")], producer)
@@ -131,3 +133,26 @@ def test_a_catalog_seen_before_never_brings_back_an_older_ledger(tmp_path):
     sh(["dvc", "repro", "prepare"], project)
     train = {json.loads(line)["source"] for line in (project / "data" / "prepared" / "train_meta.jsonl").read_text().splitlines()}
     assert not new_held & train
+
+
+def test_dvc_repro_after_a_change_of_encoding_converts_the_store_from_its_own_pixels(tmp_path):
+    """`dvc exp run -S data.encoding=jpeg` on a raw store: DVC removes the store first, prepare finds
+    it in the DVC cache through dvc.lock and encodes its pixels; no photo is read, no split moves."""
+    project = copy_project(tmp_path / "project")
+    photos(project / "data" / "raw" / "catalog", 0, 200)
+    params = tiny_params()
+    params["data"].update(source="data/raw/catalog", stored_size=32, image_size=32, encoding="raw")
+    write_params(project / "params.yaml", params)
+    sh(["git", "init", "-q"], project)
+    sh(["dvc", "repro", "-q", "prepare"], project)
+
+    params["data"]["encoding"] = "jpeg"
+    write_params(project / "params.yaml", params)
+    assert "data.encoding" in sh(["dvc", "status", "prepare"], project)  # the param change makes it stale
+    sh(["dvc", "repro", "-q", "prepare"], project)
+    report = json.loads((project / "metrics" / "data_report.json").read_text())
+    assert report["work"]["read"] == 0 and report["work"]["decoded"] == 0 and report["work"]["copied"] == 200
+    assert report["changes"]["moved_between_splits"] == 0 and report["ledger"]["records_added"] == 0
+    assert all(change == {"gained": 0, "lost": 0} for change in report["changes"]["splits"].values())
+    index = json.loads((project / "data" / "prepared" / "index.json").read_text())
+    assert index["encoding"] == "jpeg" and all(s["name"].endswith(".jpg") for s in index["shards"])

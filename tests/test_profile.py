@@ -344,6 +344,22 @@ def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(mo
     assert not only.win and only.note == "out of memory" and only.change == {"batch_size": 32}
 
 
+def test_batch_growth_stops_at_the_training_images_a_process_has(monkeypatch, tmp_path):
+    """A small catalog: doubling batch 16 past the split's 40 images would make the loader refuse it."""
+    import types
+
+    import cnnpipe.profile.trials as prof
+
+    cfg = resolve_auto(config(tmp_path, batch_size=16), torch.device("cpu"))
+    monkeypatch.setattr(prof, "build_setup", lambda *a: object())
+    monkeypatch.setattr(prof, "paired_trial",
+                        lambda knob, change, *a: Trial(knob, change, 1.5, (1.4, 1.6), 1, 1.5, True))
+    base = types.SimpleNamespace(loader=types.SimpleNamespace(sampler=types.SimpleNamespace(n=40)))
+    grown = prof.batch_trials(trial_ctx(cfg, tmp_path, base=base), max_doublings=3)
+    assert [t.change["batch_size"] for t in grown] == [32, 64] and grown[0].win
+    assert not grown[1].win and grown[1].note == "not measured: over the 40 training images a process has an epoch"
+
+
 def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(monkeypatch, tmp_path):
     import cnnpipe.profile.trials as prof
 

@@ -52,7 +52,8 @@ def test_a_ten_percent_update_keeps_every_old_shard_and_caches_about_the_new_byt
     project.mkdir()
     subprocess.run([*DVC, "init", "--no-scm", "-q"], cwd=project, check=True)
     make_catalog(project / "catalog", 0, 10_000)
-    cfg = DataConfig(source=str(project / "catalog"), stored_size=32, image_size=32, shard_mb=1)
+    cfg = DataConfig(source=str(project / "catalog"), stored_size=32, image_size=32, shard_mb=1,
+                     encoding="raw")  # `auto` would store 32 px colour as JPEG (tests/test_jpeg_store.py)
     store, report = project / "prepared", project / "report.json"
 
     prepare(cfg, 0, store, report)

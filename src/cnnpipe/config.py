@@ -69,6 +69,12 @@ class DataConfig:
     decode_timeout_s: float = 60
     """Seconds one image file may take to decode; a file over it (or one that kills its decoding
     process) is retried once alone, then listed as bad."""
+    encoding: Literal["raw", "jpeg", "auto"] = "auto"
+    """How the store keeps each image: `raw` uint8 pixels, or `jpeg` at `quality` (6-10x smaller from
+    64 px up, decoded on every read); `auto`: raw where JPEG saves under 2x or decoding could not keep
+    up with training (the default 32 px Fashion-MNIST store), JPEG otherwise (docs/data.md)."""
+    quality: int = 90
+    """JPEG quality of a `jpeg` store, 1-100; a change rebuilds the store."""
 
     def __post_init__(self) -> None:
         for key in ("image_size", "stored_size"):
@@ -100,6 +106,10 @@ class DataConfig:
             reject("data.max_pixels", self.max_pixels, "an integer >= 64")
         if self.prepare_workers != "auto" and not (isinstance(self.prepare_workers, int) and self.prepare_workers >= 1):
             reject("data.prepare_workers", self.prepare_workers, "an integer >= 1 or `auto`")
+        if self.encoding not in ("raw", "jpeg", "auto"):
+            reject("data.encoding", self.encoding, "raw | jpeg | auto")
+        if isinstance(self.quality, bool) or not (isinstance(self.quality, int) and 1 <= self.quality <= 100):
+            reject("data.quality", self.quality, "an integer in [1, 100] (90 by default; above 95 bytes grow fast)")
 
 
 @dataclass(frozen=True)

@@ -125,15 +125,21 @@ def decode_batch(buffer: np.ndarray | bytes, offsets: np.ndarray, frame: tuple[i
     buffer = np.frombuffer(buffer, np.uint8) if isinstance(buffer, (bytes, bytearray, memoryview)) else buffer
     buffer = np.asarray(buffer, dtype=np.uint8).reshape(-1)
     offsets = _check_offsets(offsets, len(buffer))
+    return decode_records(buffer, offsets[:-1], offsets[1:], frame, out)
+
+
+def decode_records(buffer: np.ndarray, starts: np.ndarray, stops: np.ndarray, frame: tuple[int, int, int],
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """`decode_batch` for records anywhere in `buffer` (a shard's map): record i is
+    buffer[starts[i]:stops[i]]. What a reader gathering rows of a shard calls."""
     channels = _channels(tuple(frame), "frame")
-    n = len(offsets) - 1
+    n = len(starts)
     if out is None:
         out = np.empty((n, *frame), dtype=np.uint8)
     elif out.shape != (n, *frame) or out.dtype != np.uint8 or not out.flags.c_contiguous:
         raise ValueError(f"out: got {out.shape} {out.dtype}, expected a C-contiguous {(n, *frame)} uint8 array")
-    bounds = offsets.tolist()
-    for i in range(n):
-        record = buffer[bounds[i] : bounds[i + 1]]
+    for i, (start, stop) in enumerate(zip(np.asarray(starts).tolist(), np.asarray(stops).tolist())):
+        record = buffer[start:stop]
         try:
             decoded = _decode(record, channels, out[i])
         except ValueError as exc:  # not a JPEG, truncated, or larger than the frame's buffer

@@ -19,13 +19,13 @@ import numpy as np
 from tqdm import tqdm
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data import idx
+from cnnpipe.data import codec, idx
 from cnnpipe.data.catalog import DataError, Listing, list_source
 from cnnpipe.data.ingest import Ingested, ingest, recipe, usable_cores
 from cnnpipe.data.journal import Journal
 from cnnpipe.data.keys import HexDigests, digest_at
 from cnnpipe.data.ledger import RECORD, Ledger, records_from_store, write_ledger
-from cnnpipe.data.previous import FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
+from cnnpipe.data.previous import ENCODING_KEYS, FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
 from cnnpipe.data.report import leakage, listed, mark_new, split_changes, split_codes
 from cnnpipe.data.split import content_split
 from cnnpipe.data.sticky import Assigned, assign_splits, split_rule, stable_cap
@@ -55,6 +55,20 @@ def _resize_batch(images: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
+def store_encoding(cfg: DataConfig, channels: int) -> dict[str, Any]:
+    """The recipe keys of the store's encoding (`previous.ENCODING_KEYS`): {} for raw, the JPEG's
+    quality and codec otherwise; `auto` resolved by `codec.auto_encoding` from the geometry alone."""
+    if codec.resolve_encoding(cfg.encoding, cfg.stored_size, channels) == "raw":
+        return {}
+    return dict(zip(ENCODING_KEYS, ("jpeg", cfg.quality, codec.CODEC)))
+
+
+def _writer(cfg: DataConfig, out_dir: Path, channels: int, serial: int = 0) -> StoreWriter:
+    encoding = store_encoding(cfg, channels)
+    return StoreWriter(out_dir, cfg.stored_size, channels, cfg.shard_mb, serial,
+                       encoding.get("encoding", "raw"), cfg.quality)
+
+
 def _sha256_rows(images: np.ndarray) -> np.ndarray:
     """The sha256 of each image's raw bytes, as an S32 array: what splits and leakage are keyed on."""
     return np.frombuffer(b"".join(hashlib.sha256(image.tobytes()).digest() for image in images), dtype="S32")
@@ -77,7 +91,7 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
         "val": (train_x, train_y, train_hashes, val, "train-images-idx3-ubyte"),
         "test": (test_x, test_y, test_hashes, test, "t10k-images-idx3-ubyte"),
     }
-    writer = StoreWriter(out_dir, cfg.stored_size, 1, cfg.shard_mb)
+    writer = _writer(cfg, out_dir, 1)
     sources: list[str] = []
     for split, (images, labels, hashes, positions, file_name) in parts.items():
         positions = positions[np.argsort(hashes[positions], kind="stable")]  # shards in content order
@@ -105,8 +119,9 @@ def prepare_fashion_mnist(cfg: DataConfig, seed: int, out_dir: Path,
 def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: Listing, got: Ingested,
                   labels: np.ndarray, journal: Journal, old: PreviousStore) -> tuple[int, int]:
     """Each split's images into `writer`, in content order, all by reference to a shard but those of
-    a store before shards (copied): decoded ones to their journal segment, the previous store's to
-    theirs. In place, `splits` takes that order. Returns (kept, copied)."""
+    a store before shards or in another encoding (copied, and encoded): decoded ones to their journal
+    segment, the previous store's to theirs. A JPEG store encodes the journal's decoded pixels into
+    its own shards. In place, `splits` takes that order. Returns (kept, copied)."""
     kept = copied = 0
     segments: dict[Path, str] = {}  # journal segment -> its shard name in the new store
     for split in SPLITS:
@@ -116,14 +131,17 @@ def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: L
             meta = {"source": entry.path, "sha256": digest.hex(), "size": entry.size, "mtime_ns": entry.mtime_ns}
             if entry.supplier is not None:
                 meta["supplier"] = entry.supplier
-            if row >= 0:  # decoded by this run: its journal segment becomes a shard as it is
+            if row >= 0 and writer.encoding == "jpeg":  # decoded by this run: encoded into a new shard
+                writer.add(split, journal.pixels(row), int(labels[i]), digest, meta)
+            elif row >= 0:  # decoded by this run: its journal segment becomes a shard as it is
                 segment, segment_row = journal.frame_of(row)
                 if segment not in segments:
                     segments[segment] = writer.fresh_name()
                 writer.keep(split, segments[segment], segment, segment_row, int(labels[i]), digest, meta, fresh=True)
-            elif old.sealed:  # a shard of the previous store holds it: point at it, read nothing
+            elif old.lends_shards:  # a shard of the previous store holds it: point at it, read nothing
                 shard, shard_row = old.find(digest)
-                writer.keep(split, old.names[shard], old.files[shard], shard_row, int(labels[i]), digest, meta)
+                writer.keep(split, old.names[shard], old.files[shard], shard_row, int(labels[i]), digest, meta,
+                            sidecar=old.sidecars[shard] if old.sidecars else None)
                 kept += 1
             else:
                 writer.add(split, old.pixels(*old.find(digest)), int(labels[i]), digest, meta)
@@ -154,9 +172,9 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
         _bad_files(listing, Ingested(np.zeros(0, "S32"), np.zeros(0, np.int64), {}), cfg)
     root = listing.root
     all_classes = sorted(listing.entries.labels)
-    wanted = recipe(cfg.stored_size, cfg.max_pixels)
-    journal = Journal(work, wanted, rows_per_shard(cfg.shard_mb, cfg.stored_size**2 * 3))
-    old = PreviousStore(previous, wanted)
+    wanted, encoding = recipe(cfg.stored_size, cfg.max_pixels), store_encoding(cfg, 3)
+    journal = Journal(work, wanted, rows_per_shard(cfg.shard_mb, cfg.stored_size**2 * 3))  # raw pixels, either way
+    old = PreviousStore(previous, wanted, encoding)
     workers = usable_cores() if cfg.prepare_workers == "auto" else int(cfg.prepare_workers)
     try:
         progress = partial(tqdm, desc="prepare", unit="img", disable=None, mininterval=2.0)
@@ -179,8 +197,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
         for split, cap in caps.items():
             members = np.flatnonzero(assigned.names == split)
             splits[split] = members[stable_cap(labels[members], got.digests[members], cap, seed)]
-        writer = StoreWriter(out_dir, cfg.stored_size, 3, cfg.shard_mb, first_serial(old.names if old.sealed else [],
-                                                                                      old.next_serial))
+        writer = _writer(cfg, out_dir, 3, first_serial(old.names if old.sealed else [], old.next_serial))
         try:
             kept, copied = _write_splits(writer, splits, listing, got, labels, journal, old)
         except BaseException:
@@ -198,7 +215,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
     if len(classes) - len(no_train) < 2:
         raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
                         f"(without any: {', '.join(no_train)}); see metrics/data_report.json")
-    (out_dir / RECIPE_FILE).write_text(json.dumps(wanted))
+    (out_dir / RECIPE_FILE).write_text(json.dumps({**wanted, **encoding}))
     if got.failed:
         (out_dir / FAILED_FILE).write_text("".join(json.dumps({"key": k, "reason": r}) + "\n" for k, r in got.failed))
     report = {

@@ -8,7 +8,9 @@ an update writes only its new bytes and the project holds the store once (`docs/
 hand (no DVC, or a store already in place), the folder on disk is the previous one.
 
 `PreviousStore` finds a previous store's images by content hash or by unchanged file stats, for
-`ingest` to keep instead of decoding.
+`ingest` to keep instead of decoding. A store of the same pixels in another encoding is used when it
+is raw (its pixels are exact: a raw store becomes a JPEG one without reading the catalog), never when
+it is JPEG (its pixels are lossy: those are decoded again from the catalog).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import numpy as np
 import yaml
 
 from cnnpipe.data.keys import digest_at, stat_key
-from cnnpipe.data.store import FORMAT_VERSION, SPLITS
+from cnnpipe.data.store import FORMAT_VERSION, SPLITS, offsets_name
 
 RECIPE_FILE = "recipe.json"
+ENCODING_KEYS = ("encoding", "quality", "codec")
+"""The keys of recipe.json that say how the pixels are stored (none for a raw store)."""
 FAILED_FILE = "failed_files.jsonl"
 """Files whose decoding process died or ran out of time twice: with the same size and mtime (and the
 same decoders), a later prepare lists them again without trying them a third time."""
@@ -156,16 +160,27 @@ class PreviousStore:
 
     Lookups are sorted numpy arrays (~50 bytes an image), not dicts: at 10M images a dict of hashes
     alone would take gigabytes.
+
+    `encoding`: the recipe keys of the store being written (`ENCODING_KEYS`; {} for raw). A previous
+    store in the same encoding lends its shards (`same_encoding`); a raw one of the same pixels lends
+    its pixels (`pixels`, to be encoded again); any other is not used.
     """
 
-    def __init__(self, tree: Tree | None, wanted: dict[str, Any]) -> None:
-        recipe_used = tree.read_json(RECIPE_FILE) if tree else None
-        index = (tree.read_json("index.json") or {}) if tree and recipe_used == wanted else {}
+    def __init__(self, tree: Tree | None, wanted: dict[str, Any], encoding: dict[str, Any] | None = None) -> None:
+        recipe_used = (tree.read_json(RECIPE_FILE) if tree else None) or {}
+        stored = {k: v for k, v in recipe_used.items() if k in ENCODING_KEYS}
+        pixels = {k: v for k, v in recipe_used.items() if k not in ENCODING_KEYS}
+        usable = bool(recipe_used) and pixels == wanted and stored in ({}, encoding or {})
+        index = (tree.read_json("index.json") or {}) if tree and usable else {}
         self.tree, self.index = tree, index
+        self.same_encoding = stored == (encoding or {})
         self.sealed = index.get("format") == FORMAT_VERSION
+        self.sidecars: list[Path | None] = []
         if self.sealed:
             self.names = [shard["name"] for shard in index["shards"]]
             self.files = [tree.path(f"shards/{name}") for name in self.names]
+            if stored:
+                self.sidecars = [tree.path(f"shards/{offsets_name(name)}") for name in self.names]
         else:
             self.names = [f"{split}.u8" for split in SPLITS]
             self.files = [tree.path(name) if tree else None for name in self.names]
@@ -189,7 +204,8 @@ class PreviousStore:
         by_key = np.argsort(all_keys, kind="stable")
         self.keys, self.key_digests = all_keys[by_key], all_digests[by_key]
         self.shape = (wanted["size"], wanted["size"], wanted["channels"])
-        self.next_serial = int(index.get("next_serial", 0))
+        # Serials only grow, also past a store whose shards are not used (a new encoding or size).
+        self.next_serial = int(((tree.read_json("index.json") or {}) if tree else {}).get("next_serial", 0))
         failed = tree.path(FAILED_FILE) if index else None
         self._failed = {}
         if failed is not None:
@@ -217,8 +233,14 @@ class PreviousStore:
         """Why a file with this `stat_key` could not be decoded twice before, or None."""
         return self._failed.get(key)
 
+    @property
+    def lends_shards(self) -> bool:
+        """Whether kept images point at this store's shards (else their pixels are copied, `pixels`)."""
+        return self.sealed and self.same_encoding
+
     def pixels(self, shard: int, row: int) -> np.ndarray:
-        """One image, read with pread: a memory map would count the whole old store in our RSS."""
+        """One image of a raw store, read with pread: a memory map would count the whole old store in
+        our RSS."""
         if shard not in self._fds:
             self._fds[shard] = os.open(self.files[shard], os.O_RDONLY)
         return read_frame(self._fds[shard], row, self.shape)

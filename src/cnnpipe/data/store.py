@@ -7,6 +7,10 @@ Layout of a prepared directory::
                              raw uint8 pixels, shape (rows, size, size, channels), row-major; written
                              once and never rewritten (`writer.StoreWriter`); a `mixed` shard is a
                              segment of a prepare's journal (the images it decoded, any split)
+    shards/<serial>-<split>.jpg + .off
+                             a JPEG store (index.json's `encoding`): one JPEG record per row, back to
+                             back, and (rows + 1) little-endian uint64 offsets: row r is
+                             bytes [off[r], off[r+1]) (`codec.pack`'s layout)
     <split>_rows.npy         (N, 2) int32: each image's shard (its place in index.json's list) and row
     <split>_labels.npy       int64 labels
     <split>_keys.npy         each image's sha256 and the key of its file's path, size and mtime
@@ -20,9 +24,10 @@ A reader (`open_split`) pins the store it opens (`pin_store`: hard links, remove
 at most `max_open_shards()` shards at a time, so a run at 10M images neither runs out of file
 descriptors nor loses its store when an update is swapped in while it trains.
 
-Records are fixed-size frames today: `<split>_rows.npy` gives (shard, row), and the row is the
-frame's place in the shard. A variable-length encoding (compressed images) adds a per-shard table of
-offsets beside each shard and an `encoding` key in index.json; rows, splits and pins stay as they are.
+`<split>_rows.npy` gives (shard, row) in either encoding: the row is a raw frame's place in its
+shard, or a JPEG record's place in its offsets. A JPEG store is decoded on read, on the CPU by
+`codec.decode_records` (the one decoder: training, evaluation, the gate and predict read the same
+pixels for the same bytes); a raw store's index.json has no `encoding` key (stores before it read so).
 
 The layout follows the sealed shards of MDS, WebDataset and LitData: a week's new photos go into new
 shards and every full shard keeps its bytes, so DVC caches and pushes only what is new. What a split
@@ -50,9 +55,35 @@ from typing import Any
 
 import numpy as np
 
+from cnnpipe.data import codec
+
 FORMAT_VERSION = 2
 SPLITS = ("train", "val", "test")
 SHARDS = "shards"
+OFFSETS = ".off"
+OFFSET_DTYPE = np.dtype("<u8")
+
+
+def encoding_of(index: dict[str, Any]) -> str:
+    """`raw` or `jpeg`: how a store keeps its images (a raw store, as before encodings, records none)."""
+    return index.get("encoding", "raw")
+
+
+def offsets_name(name: str) -> str:
+    """The offsets sidecar of a JPEG shard: `000003-train.jpg` -> `000003-train.off`."""
+    return name.rsplit(".", 1)[0] + OFFSETS
+
+
+def shard_files(index: dict[str, Any]) -> list[str]:
+    """Every file under shards/ a store's readers need, relative to the store."""
+    jpeg = encoding_of(index) == "jpeg"
+    return [f"{SHARDS}/{n}" for shard in index["shards"]
+            for n in ([shard["name"], offsets_name(shard["name"])] if jpeg else [shard["name"]])]
+
+
+def read_offsets(path: Path) -> np.ndarray:
+    """A JPEG shard's (rows + 1,) offsets, as int64."""
+    return np.fromfile(path, dtype=OFFSET_DTYPE).astype(np.int64)
 
 
 def read_index(prepared_dir: Path) -> dict[str, Any]:
@@ -80,16 +111,19 @@ class ShardedImages:
     reads all. Shards are memory-mapped on first use, in the process that reads them (a DataLoader
     worker maps its own), at most `max_open_shards()` at a time (the least recently used is unmapped).
     Pickles as the path of its row index and its slice, never as the index or the pixels: a spawned
-    worker gets a few hundred bytes and maps the index itself."""
+    worker gets a few hundred bytes and maps the index itself. Of a JPEG store (`encoding`), it maps
+    the records and decodes the rows it reads (`codec.decode_records`), in the process that reads
+    them: a DataLoader's workers decode their own batches."""
 
     dtype = np.dtype(np.uint8)
     ndim = 4
 
     def __init__(self, shards: list[Path], where: np.ndarray, frame: tuple[int, int, int],
-                 source: tuple[Path, slice] | None = None) -> None:
+                 source: tuple[Path, slice] | None = None, encoding: str = "raw") -> None:
         self.shards, self.where, self.frame, self.source = shards, where, frame, source
+        self.encoding = encoding
         self.max_open = max_open_shards()
-        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._maps: OrderedDict[int, Any] = OrderedDict()
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -106,29 +140,41 @@ class ShardedImages:
         while len(self._maps) >= self.max_open:
             self._maps.popitem(last=False)  # its map (and descriptor) closes with its last view
         path = self.shards[shard]
-        rows = path.stat().st_size // int(np.prod(self.frame))
-        # a plain ndarray view: indexing the memmap subclass costs microseconds per call
-        mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, *self.frame)).view(np.ndarray)
+        if self.encoding == "jpeg":  # (the records, the offsets): decoded by `_decode_rows`
+            mapped = (np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray),
+                      read_offsets(path.with_name(offsets_name(path.name))))
+        else:
+            rows = path.stat().st_size // int(np.prod(self.frame))
+            # a plain ndarray view: indexing the memmap subclass costs microseconds per call
+            mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, *self.frame)).view(np.ndarray)
         self._maps[shard] = mapped
         return mapped
+
+    def _rows(self, shard: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows `rows` of one shard as (len(rows), *frame) uint8: gathered (raw) or decoded (JPEG)."""
+        mapped = self._map(shard)
+        if self.encoding != "jpeg":
+            return mapped[rows]
+        records, offsets = mapped
+        return codec.decode_records(records, offsets[rows], offsets[rows + 1], self.frame, out)
 
     def __getitem__(self, key: Any) -> np.ndarray | ShardedImages:
         if isinstance(key, (int, np.integer)):
             shard, row = self.where[key]
-            return self._map(int(shard))[row]
+            return self._map(int(shard))[row] if self.encoding == "raw" else self._rows(int(shard), np.array([row]))[0]
         if isinstance(key, slice):
             source = None
             if self.source is not None:  # a slice of a slice is a slice: compose them through range
                 window = range(*self.source[1].indices(2**62))[key]
                 source = (self.source[0], slice(window.start, window.stop, window.step))
-            return ShardedImages(self.shards, self.where[key], self.frame, source)
+            return ShardedImages(self.shards, self.where[key], self.frame, source, self.encoding)
         key = np.asarray(key)
         where = self.where[key if key.dtype == bool else key.astype(np.intp)]
         if not len(where):
             return np.empty((0, *self.frame), dtype=np.uint8)
         shards = where[:, 0]
         if (shards == shards[0]).all():  # the common case: one shard, one gather
-            return self._map(int(shards[0]))[where[:, 1]]
+            return self._rows(int(shards[0]), where[:, 1])
         # Group the rows by shard with one sort: a batch from a catalog of thousands of shards
         # touches up to one shard per image, and a mask per shard would cost batch x shards.
         order = np.argsort(shards, kind="stable")
@@ -136,7 +182,7 @@ class ShardedImages:
         bounds = np.flatnonzero(by_shard[1:] != by_shard[:-1]) + 1
         out = np.empty((len(where), *self.frame), dtype=np.uint8)
         for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(order)]):
-            out[order[a:b]] = self._map(int(by_shard[a]))[rows[a:b]]
+            out[order[a:b]] = self._rows(int(by_shard[a]), rows[a:b])
         return out
 
     def shard_of_each(self) -> np.ndarray:
@@ -149,14 +195,16 @@ class ShardedImages:
 
     def __getstate__(self) -> dict[str, Any]:
         where = None if self.source is not None else self.where
-        return {"shards": self.shards, "where": where, "frame": self.frame, "source": self.source}
+        return {"shards": self.shards, "where": where, "frame": self.frame, "source": self.source,
+                "encoding": self.encoding}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         where = state["where"]
         if where is None:
             rows, window = state["source"]
             where = _mapped(rows)[window]
-        self.__init__(state["shards"], where, state["frame"], state["source"])  # type: ignore[misc]
+        self.__init__(state["shards"], where, state["frame"], state["source"],  # type: ignore[misc]
+                      state.get("encoding", "raw"))
 
 
 @dataclass
@@ -240,7 +288,7 @@ def pin_store(prepared_dir: Path) -> Path:
             os.link(index_path, pin / "index.json")
             index = json.loads((pin / "index.json").read_text(encoding="utf-8"))
             names = [f"{split}_{kind}.npy" for split in index["splits"] for kind in ("rows", "labels")]
-            names += [f"{SHARDS}/{shard['name']}" for shard in index["shards"]]
+            names += shard_files(index)
             for name in names:
                 os.link(prepared_dir / name, pin / name)
         except OSError:
@@ -272,8 +320,22 @@ def _open(folder: Path, split: str, index: dict[str, Any]) -> PreparedSplit:
     if len(where) != index["splits"][split]["count"] or len(labels) != len(where):
         raise ValueError(f"{folder}: {split} has {len(where)} rows and {len(labels)} labels, index.json says "
                          f"{index['splits'][split]['count']}; rerun `dvc repro prepare`")
-    images = ShardedImages(shard_paths(folder, index), where, frame, (rows_file, slice(None)))
+    images = ShardedImages(shard_paths(folder, index), where, frame, (rows_file, slice(None)), encoding_of(index))
     return PreparedSplit(images, labels, list(index["classes"]), (folder, split, slice(None)))
+
+
+def _shard_problem(path: Path, rows: int, frame: tuple[int, int, int], encoding: str) -> str:
+    """What is wrong with a shard file against index.json's row count ("" when nothing)."""
+    if not path.exists():
+        return "missing"
+    if encoding != "jpeg":
+        expected = rows * int(np.prod(frame))
+        return "" if path.stat().st_size == expected else f"{path.stat().st_size} bytes, index.json says {expected}"
+    sidecar = path.with_name(offsets_name(path.name))
+    if not sidecar.exists() or sidecar.stat().st_size != (rows + 1) * OFFSET_DTYPE.itemsize:
+        return f"its offsets {sidecar.name} are missing or not the {rows + 1} index.json implies"
+    end = int(read_offsets(sidecar)[-1])
+    return "" if path.stat().st_size == end else f"{path.stat().st_size} bytes, its offsets end at {end}"
 
 
 def open_split(prepared_dir: Path, split: str, limit: int | None = None) -> PreparedSplit:
@@ -284,11 +346,9 @@ def open_split(prepared_dir: Path, split: str, limit: int | None = None) -> Prep
     index = read_index(folder)
     frame = (index["size"], index["size"], index["channels"])
     for shard, path in zip(index["shards"], shard_paths(folder, index)):
-        expected = shard["rows"] * int(np.prod(frame))
-        if not path.exists() or path.stat().st_size != expected:
-            found = f"{path.stat().st_size} bytes" if path.exists() else "missing"
-            raise ValueError(f"{path}: {found}, index.json says {expected}; rerun `dvc repro prepare` "
-                             "(or `dvc checkout data/prepared`)")
+        problem = _shard_problem(path, shard["rows"], frame, encoding_of(index))
+        if problem:
+            raise ValueError(f"{path}: {problem}; rerun `dvc repro prepare` (or `dvc checkout data/prepared`)")
     opened = _open(folder, split, index)
     if limit is None:
         return opened
@@ -306,6 +366,8 @@ def data_fingerprint(prepared_dir: Path) -> str:
     index = read_index(prepared_dir)
     identity = {"classes": index["classes"], "size": index["size"], "channels": index["channels"],
                 "splits": {s: v["fingerprint"] for s, v in index["splits"].items()}}
+    if encoding_of(index) != "raw":  # other pixels (a raw store's fingerprint is as it was before encodings)
+        identity.update({key: index[key] for key in ("encoding", "quality", "codec")})
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 

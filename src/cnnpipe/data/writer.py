@@ -6,6 +6,10 @@ is hard-linked into the new store unchanged (copied where links are not possible
 previous shard that is mostly dead (under half its rows still wanted) is compacted: its live rows
 move into new shards and it is dropped. So an update writes the new images, at most one partly
 filled shard per split, and the rare compaction, and reads no old pixels otherwise.
+
+A JPEG store (`encoding="jpeg"`) writes each new image as one JPEG record (`codec.encode`) and
+seals a shard at `data.shard_mb` of records, with its offsets sidecar; kept shards are linked with
+their sidecars, and compaction moves records as bytes (nothing is decoded or encoded again).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from typing import IO, Any
 
 import numpy as np
 
+from cnnpipe.data import codec
 from cnnpipe.data.keys import stat_key
-from cnnpipe.data.store import FORMAT_VERSION, SHARDS, SPLITS
+from cnnpipe.data.store import FORMAT_VERSION, OFFSET_DTYPE, SHARDS, SPLITS, offsets_name, read_offsets
 from cnnpipe.files import write_json
 
 KEYS = np.dtype([("sha256", "S32"), ("stat", "<u8")])
@@ -41,6 +46,16 @@ def rows_per_shard(shard_mb: float, frame_bytes: int) -> int:
 def first_serial(names: list[str], recorded: int = 0) -> int:
     """The serial of a store's next new shard: past every shard name it holds and any it recorded."""
     return max([recorded, *(int(name.split("-", 1)[0]) + 1 for name in names)])
+
+
+def _link(path: Path, target: Path) -> None:
+    """Hard-link `path` as `target` (a copy where links fail): its bytes, and DVC cache object, stay."""
+    try:
+        os.link(path, target)
+    except OSError as exc:  # another filesystem, or links not allowed: the bytes are what matter
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        shutil.copyfile(path, target)
 
 
 class _SplitRows:
@@ -64,13 +79,31 @@ class _SplitRows:
         self.offsets.append(self.offsets[-1] + len(line))
 
 
-class StoreWriter:
-    """Write a store of (size, size, channels) images into `out_dir`, reusing `previous`'s shards."""
+class _OpenShard:
+    """The shard a split is appending to: its file, number, rows and (JPEG) record offsets."""
 
-    def __init__(self, out_dir: Path, size: int, channels: int, shard_mb: float, first_serial: int = 0) -> None:
+    def __init__(self, fh: IO[bytes], number: int, path: Path) -> None:
+        self.fh, self.number, self.path = fh, number, path
+        self.offsets = array.array("Q", [0])
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets) - 1
+
+
+class StoreWriter:
+    """Write a store of (size, size, channels) images into `out_dir`, reusing `previous`'s shards;
+    `encoding` is `raw` or `jpeg` (at `quality`)."""
+
+    def __init__(self, out_dir: Path, size: int, channels: int, shard_mb: float, first_serial: int = 0,
+                 encoding: str = "raw", quality: int = codec.DEFAULT_QUALITY) -> None:
+        if encoding not in ("raw", "jpeg"):
+            raise ValueError(f"StoreWriter: encoding={encoding!r}; allowed: raw | jpeg (resolve `auto` first)")
         self.out_dir, self.frame = Path(out_dir), (size, size, channels)
+        self.encoding, self.quality = encoding, codec.check_quality(quality)
         self.frame_bytes = size * size * channels
         self.rows_per_shard = rows_per_shard(shard_mb, self.frame_bytes)
+        self.shard_bytes = max(1, int(shard_mb * 2**20))
         (self.out_dir / SHARDS).mkdir(parents=True, exist_ok=True)
         # Serials only grow (index.json keeps the next one): a shard name, once used, never names other
         # bytes, so a reader that opened an old store by name never reads another store's pixels.
@@ -78,7 +111,8 @@ class StoreWriter:
         self.shards: list[tuple[str, Path]] = []  # (name, file) of every shard an image points at
         self._numbers: dict[str, int] = {}
         self._new: set[int] = set()
-        self._open: dict[str, tuple[IO[bytes], int, int]] = {}  # split -> (file, shard number, rows)
+        self._sidecars: dict[int, Path] = {}  # a JPEG shard's number -> its offsets file
+        self._open: dict[str, _OpenShard] = {}  # split -> the shard it appends to
         self.splits = {s: _SplitRows(self.out_dir / f".{s}_meta.unsorted") for s in SPLITS}
         self.written_bytes = 0
 
@@ -88,21 +122,40 @@ class StoreWriter:
             self.shards.append((name, path))
         return self._numbers[name]
 
-    def _append_pixels(self, split: str, image: np.ndarray) -> tuple[int, int]:
-        """Write one frame to `split`'s open shard, opening a new one when none is or it is full."""
-        fh, shard, rows = self._open.get(split, (None, -1, self.rows_per_shard))
-        if fh is None or rows >= self.rows_per_shard:
-            if fh is not None:
-                fh.close()
-            name = f"{self._next_serial:06d}-{split}.u8"
+    def _full(self, shard: _OpenShard | None, record: int) -> bool:
+        if shard is None:
+            return True
+        if self.encoding == "raw":
+            return shard.rows >= self.rows_per_shard
+        return shard.rows > 0 and shard.offsets[-1] + record > self.shard_bytes
+
+    def _seal(self, shard: _OpenShard) -> None:
+        shard.fh.close()
+        if self.encoding == "jpeg":
+            sidecar = shard.path.with_name(offsets_name(shard.path.name))
+            np.asarray(shard.offsets, dtype=OFFSET_DTYPE).tofile(sidecar)
+            self._sidecars[shard.number] = sidecar
+
+    def _append_record(self, split: str, record: bytes) -> tuple[int, int]:
+        """Write one record (a raw frame or a JPEG) to `split`'s open shard, opening a new one when
+        none is or it is full."""
+        shard = self._open.get(split)
+        if self._full(shard, len(record)):
+            if shard is not None:
+                self._seal(shard)
+            name = f"{self._next_serial:06d}-{split}.{'jpg' if self.encoding == 'jpeg' else 'u8'}"
             self._next_serial += 1
             path = self.out_dir / SHARDS / name
-            fh, shard, rows = open(path, "wb"), self._number(name, path), 0
-            self._new.add(shard)
-        fh.write(np.ascontiguousarray(image).tobytes())
-        self._open[split] = (fh, shard, rows + 1)
-        self.written_bytes += self.frame_bytes
-        return shard, rows
+            shard = self._open[split] = _OpenShard(open(path, "wb"), self._number(name, path), path)
+            self._new.add(shard.number)
+        shard.fh.write(record)
+        shard.offsets.append(shard.offsets[-1] + len(record))
+        self.written_bytes += len(record)
+        return shard.number, shard.rows - 1
+
+    def _append_pixels(self, split: str, image: np.ndarray) -> tuple[int, int]:
+        record = codec.encode(image, self.quality) if self.encoding == "jpeg" else np.ascontiguousarray(image).tobytes()
+        return self._append_record(split, record)
 
     def add(self, split: str, image: np.ndarray, label: int, digest: bytes, meta: dict[str, Any]) -> None:
         """Append a new (size, size, channels) uint8 image; `meta` becomes its line in `<split>_meta.jsonl`."""
@@ -112,17 +165,27 @@ class StoreWriter:
         self.splits[split].append(shard, row, label, digest, meta)
 
     def keep(self, split: str, name: str, shard: Path, row: int, label: int, digest: bytes,
-             meta: dict[str, Any], fresh: bool = False) -> None:
-        """Point at row `row` of a sealed shard `name` whose file is `shard`: one of the previous store
-        (in it or in the DVC cache), or a segment of this run's journal (`fresh`: its pixels were
-        written by this run, which `last_update` counts); no pixels are read or written here."""
-        self.splits[split].append(self._number(name, shard), row, label, digest, meta)
+             meta: dict[str, Any], fresh: bool = False, sidecar: Path | None = None) -> None:
+        """Point at row `row` of a sealed shard `name` whose file is `shard` (and, of a JPEG store,
+        whose offsets are `sidecar`): one of the previous store (in it or in the DVC cache), or a raw
+        store's segment of this run's journal (`fresh`: its pixels were written by this run, which
+        `last_update` counts); no pixels are read or written here."""
+        number = self._number(name, shard)
+        if sidecar is not None:
+            self._sidecars[number] = sidecar
+        self.splits[split].append(number, row, label, digest, meta)
         self.written_bytes += self.frame_bytes if fresh else 0
 
     def fresh_name(self) -> str:
         """A new shard's name, for a journal segment this store takes as a shard (any split's images)."""
         self._next_serial += 1
         return f"{self._next_serial - 1:06d}-mixed.u8"
+
+    def _rows_in(self, number: int) -> int:
+        """Rows (frames or records) shard `number` holds."""
+        if self.encoding == "jpeg":
+            return self._sidecars[number].stat().st_size // OFFSET_DTYPE.itemsize - 1
+        return self.shards[number][1].stat().st_size // self.frame_bytes
 
     def _live_rows(self) -> np.ndarray:
         """How many rows of each shard some split points at."""
@@ -132,17 +195,20 @@ class StoreWriter:
     def _compact(self) -> dict[str, int]:
         """Move the live rows of mostly dead previous shards into new shards; returns what it did."""
         live = self._live_rows()
-        dying = {s for s in range(len(self.shards)) if s not in self._new
-                 and live[s] < COMPACT_BELOW * (self.shards[s][1].stat().st_size // self.frame_bytes)}
+        dying = {s for s in range(len(self.shards))
+                 if s not in self._new and live[s] < COMPACT_BELOW * self._rows_in(s)}
         moved, files = 0, {}
+        offsets = {s: read_offsets(self._sidecars[s]) for s in dying} if self.encoding == "jpeg" else {}
         try:
             files.update({s: os.open(self.shards[s][1], os.O_RDONLY) for s in dying})
             for split, rows in self.splits.items():
                 for i, shard in enumerate(rows.shard):
-                    if shard in dying:
-                        data = os.pread(files[shard], self.frame_bytes, rows.row[i] * self.frame_bytes)
-                        frame = np.frombuffer(data, dtype=np.uint8).reshape(self.frame)
-                        rows.shard[i], rows.row[i] = self._append_pixels(split, frame)
+                    if shard in dying:  # the record's bytes as they are: nothing decoded or encoded again
+                        row = rows.row[i]
+                        start, stop = ((int(offsets[shard][row]), int(offsets[shard][row + 1])) if offsets
+                                       else (row * self.frame_bytes, (row + 1) * self.frame_bytes))
+                        record = os.pread(files[shard], stop - start, start)
+                        rows.shard[i], rows.row[i] = self._append_record(split, record)
                         moved += 1
         finally:
             for fd in files.values():
@@ -155,22 +221,17 @@ class StoreWriter:
         listed = []
         for number in np.flatnonzero(used):
             name, path = self.shards[number]
-            target = self.out_dir / SHARDS / name
             if number not in self._new:
-                try:
-                    os.link(path, target)
-                except OSError as exc:  # another filesystem, or links not allowed: the bytes are what matter
-                    if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-                        raise
-                    shutil.copyfile(path, target)
-            listed.append({"name": name, "rows": target.stat().st_size // self.frame_bytes,
-                           "live": int(used[number])})
+                _link(path, self.out_dir / SHARDS / name)
+                if self.encoding == "jpeg":
+                    _link(self._sidecars[number], self.out_dir / SHARDS / offsets_name(name))
+            listed.append({"name": name, "rows": self._rows_in(number), "live": int(used[number])})
         return listed
 
     def abort(self) -> None:
         """Close every file after a failure (the caller removes the half-written store)."""
-        for fh, _, _ in self._open.values():
-            fh.close()
+        for shard in self._open.values():
+            shard.fh.close()
         for rows in self.splits.values():
             rows.meta.close()
 
@@ -179,8 +240,8 @@ class StoreWriter:
         for rows in self.splits.values():
             rows.meta.close()
         compaction = self._compact()
-        for fh, _, _ in self._open.values():
-            fh.close()
+        for shard in self._open.values():
+            self._seal(shard)
         used = self._live_rows()
         renumber = np.cumsum(used > 0) - 1
         shards = self._link_kept(used)
@@ -191,6 +252,10 @@ class StoreWriter:
                  "size": self.frame[0], "channels": self.frame[2], "rows_per_shard": self.rows_per_shard,
                  "shards": shards, "next_serial": self._next_serial, "splits": splits,
                  "last_update": {**compaction, "written_bytes": self.written_bytes}}
+        if self.encoding == "jpeg":  # a raw store's index stays as it was before encodings
+            index.update({"encoding": "jpeg", "quality": self.quality, "codec": codec.CODEC,
+                          "shard_bytes": self.shard_bytes})
+            del index["rows_per_shard"]
         write_json(self.out_dir / "index.json", index)
         return index
 

@@ -197,6 +197,11 @@ def batch_trials(ctx: TrialContext, max_doublings: int = 2) -> list[Trial]:
     p, info, clock, results, previous = ctx.cfg.profile, ctx.info, ctx.clock, [], None
     for k in range(1, max_doublings + 1):
         change = {"batch_size": ctx.cfg.train.batch_size * 2 ** k}
+        per_rank = ctx.base.loader.sampler.n // info.world_size if ctx.base is not None else None
+        if per_rank is not None and change["batch_size"] > per_rank:  # the loader refuses a batch over an epoch
+            results.append(Trial("batch_size", change, note=f"not measured: over the {per_rank} training "
+                                                            "images a process has an epoch"))
+            break
         if clock.out_of_time():
             results.append(Trial("batch_size", change, note=OUT_OF_TIME))
             break

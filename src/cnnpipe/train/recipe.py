@@ -1,7 +1,9 @@
 """A model's input recipe: every step from a raw photo to the tensor the model was trained on.
 
 The decode to the stored square (`data.decode` for photo files, its rules named by TRANSFORM), the
-channels (ITU-R 601 luma for a greyscale model), the resize to the input size and the mean/std.
+channels (ITU-R 601 luma for a greyscale model), how the store keeps it (`stored_as`: raw, or JPEG at
+a quality, whose round trip a photo then goes through too), the resize to the input size and the
+mean/std.
 Training records it in best.pt's meta (`input`); predict (`photo_input`, then
 `trained.make_transform`), both exports' meta.json and the gate apply exactly it, and a warm start
 or a gate across two recipes is refused (`recipe_differences`), so production sees the pixels the
@@ -16,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from cnnpipe.config import DataConfig
+from cnnpipe.data import codec
 from cnnpipe.data.decode import TRANSFORM, decode_file
 
 # Fashion-MNIST's store: the IDX arrays (28 px greyscale) resized with torch's antialiased bilinear.
@@ -24,16 +27,25 @@ RESIZE = "bilinear-antialias"  # stored square -> input size: `loaders.eval_tran
 # ITU-R 601-2 luma, the weights PIL's convert("L") uses: a photo turns grey as a greyscale scan would.
 LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 # What must match for two models to see the same pixels from the same photo.
+# (Not `stored_as`: features learnt on raw pixels warm-start a model of JPEG ones; but a store in
+# another encoding shows other pixels than the model's photos go through, so the gate's check has it.)
 RECIPE_KEYS = ("decode", "stored_size", "channels", "resize", "image_size", "mean", "std")
-STORE_KEYS = ("decode", "stored_size", "channels")  # what a prepared store fixes
+STORE_KEYS = ("decode", "stored_size", "channels", "stored_as")  # what a prepared store fixes
+
+
+def stored_as(encoding: str, quality: int) -> str:
+    """`raw`, or `jpeg-q<quality>/<codec.CODEC>`: the pixels a store of this encoding reads back."""
+    return "raw" if encoding == "raw" else f"jpeg-q{quality}/{codec.CODEC}"
 
 
 def input_recipe(data: DataConfig, channels: int, mean: Sequence[float], std: Sequence[float]) -> dict[str, Any]:
     """The input recipe of a model trained on `data` (image_size resolved) at `channels`."""
     if not isinstance(data.image_size, int):
         raise ValueError(f"data.image_size={data.image_size!r} must be resolved before the recipe is recorded")
+    encoding = codec.resolve_encoding(data.encoding, data.stored_size, channels)
     return {"decode": IDX_DECODE if data.source == "fashion-mnist" else TRANSFORM, "stored_size": data.stored_size,
-            "channels": channels, "resize": RESIZE, "image_size": data.image_size,
+            "channels": channels, "stored_as": stored_as(encoding, data.quality), "resize": RESIZE,
+            "image_size": data.image_size,
             "mean": [float(m) for m in mean], "std": [float(s) for s in std]}
 
 
@@ -41,7 +53,8 @@ def store_recipe(index: dict[str, Any]) -> dict[str, Any]:
     """What a prepared store's index.json fixes of the recipe: its decode, stored size and channels."""
     idx = str(index.get("source", "")).startswith("fashion-mnist")
     return {"decode": IDX_DECODE if idx else TRANSFORM, "stored_size": int(index["size"]),
-            "channels": int(index["channels"])}
+            "channels": int(index["channels"]),
+            "stored_as": stored_as(index.get("encoding", "raw"), int(index.get("quality", codec.DEFAULT_QUALITY)))}
 
 
 def recipe_of(meta: dict[str, Any]) -> dict[str, Any]:
@@ -80,4 +93,10 @@ def photo_input(recipe: dict[str, Any], path: Path, max_pixels: int) -> np.ndarr
     decoded = decode_file(path, int(recipe["stored_size"]), max_pixels)
     if decoded.image is None:
         return decoded.reason or "unreadable"
-    return to_channels(decoded.image, int(recipe["channels"]))
+    image = to_channels(decoded.image, int(recipe["channels"]))
+    kept = recipe.get("stored_as") or "raw"  # unknown (a checkpoint older than encodings): a raw store
+    if kept != "raw":  # the model learnt the store's JPEG pixels: a photo goes through the same round trip
+        if not kept.endswith(f"/{codec.CODEC}"):
+            raise ValueError(f"input recipe stored_as={kept!r}: this version reads only {codec.CODEC!r} stores")
+        image = codec.decode(codec.encode(image, int(kept.split("/")[0].removeprefix("jpeg-q"))), image.shape[-1])
+    return image
