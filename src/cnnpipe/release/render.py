@@ -23,6 +23,21 @@ def _paired_row(name: str, p: dict[str, Any]) -> str:
             f"{p['negative_flips']} / {p['positive_flips']} | {needed} | {p['outcome']} |")
 
 
+def _delivery_lines(delivery: dict[str, Any] | None) -> list[str]:
+    """The delivery check's flags (metrics/delivery.json), repeated: what this week's photos looked like."""
+    if not delivery:
+        return []
+    if not delivery.get("flagged"):
+        said = "nothing flagged" if delivery.get("checked") else f"not checked: {delivery.get('reason')}"
+        return ["", f"Delivery check: {said} ({delivery.get('new_images', 0):,} new photos)."]
+    lines = ["", f"## Delivery check: {delivery['flagged_images']:,} of {delivery['new_images']:,} new photos flagged "
+             f"(policy `{delivery['policy']}`; every one in `{delivery.get('list')}`)", "",
+             "| Filed as | Looks like | Photos | Share | Expected | p (Holm) |", "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {_cell(r['given'])} | {_cell(r['predicted'])} | {r['images']} of {r['of']} | {r['share']:.0%} | "
+              f"{r['expected']:.1%} | {r['p_holm']:.2g} |" for r in delivery["pairs"]]
+    return lines
+
+
 def render(verdict: dict[str, Any]) -> str:
     """gate.md: the verdict first, then the warnings and every reason, then the tables behind them."""
     champion = verdict.get("champion") or {}
@@ -62,5 +77,6 @@ def render(verdict: dict[str, Any]) -> str:
         for r in verdict["to_new_classes"]:
             lines.append(f"| {_cell(r['from'])} | {_cell(r['to'])} | {r['images']} of {r['of']} | {r['share']:.1%} | "
                          f"{'FAILS' if r['failing'] else ''} |")
+    lines += _delivery_lines(verdict.get("delivery"))
     lines += ["", "Promote a blessed model with `python -m cnnpipe.promote` (it refuses a refused one).", ""]
     return "\n".join(lines)
