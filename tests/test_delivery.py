@@ -21,7 +21,7 @@ from cnnpipe.release.delivery import check_delivery, flag_pairs
 from cnnpipe.release_config import DeliveryConfig, ReleaseConfig
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.recipe import input_recipe
-from conftest import ROOT, base_params, save_image, write_params
+from conftest import ROOT, base_params, save_image, tiny_params, write_params
 
 COLOURS = {"blue": (40, 40, 210), "green": (40, 190, 40), "red": (210, 40, 40), "yellow": (210, 200, 40)}
 CLASSES = sorted(COLOURS)
@@ -191,7 +191,7 @@ def test_no_champion_says_so_and_passes(tmp_path, swapped, capsys):
 
 def test_delivery_params_are_validated_and_default_to_params_yaml():
     assert release_config(base_params()).delivery == DeliveryConfig()
-    for key, value, allowed in (("policy", "maybe", "report | stop"), ("confidence", 0.0, "(0, 1]"),
+    for key, value, allowed in (("policy", "maybe", "report | hold_out | stop"), ("confidence", 0.0, "(0, 1]"),
                                 ("min_images", 0, ">= 1"), ("colour", 1, "known keys")):
         with pytest.raises(ParamsError, match=rf"release\.delivery\.{key}.*{allowed}".replace("(", r"\(")
                            .replace(")", r"\)").replace("[", r"\[").replace("]", r"\]").replace("|", r"\|")):
@@ -210,5 +210,66 @@ def test_the_gate_repeats_the_flags(tmp_path, swapped, champion, capsys):
     assert verdict["delivery"]["flagged"] and {(r["given"], r["predicted"]) for r in verdict["delivery"]["pairs"]} \
         == {("green", "red"), ("red", "green")}
     page = (tmp_path / "gate" / "gate.md").read_text()
-    assert "## Delivery check: " in page and "| green | red | 100 of 150 |" in page and "| red | green | 100 of 150 |" in page
+    assert "## Delivery check: " in page
+    assert "| green | red | 100 of 150 |" in page and "| red | green | 100 of 150 |" in page
     assert "flagged.jsonl" in page
+
+
+def test_hold_out_keeps_the_flagged_photos_out_of_training_and_the_test(tmp_path, swapped, champion, capsys,
+                                                                          monkeypatch):
+    """Under `hold_out` the list marks its photos; training and validation (`fit`) and the gate's test
+    split open without exactly those rows; the store and its split files are untouched."""
+    from cnnpipe.data.held_out import open_kept
+    from cnnpipe.data.store import open_split
+    from cnnpipe.params import resolve
+    from cnnpipe.release.verdict import run_gate
+    from cnnpipe.train import trainer
+    from cnnpipe.train.distributed import DistInfo
+
+    rc, out, _, listed = run_stage(tmp_path, swapped, champion, "hold_out", capsys)
+    rows = [json.loads(line) for line in listed.read_text().splitlines()]
+    assert rc == 0 and len(rows) >= 180 and all(r["held_out"] for r in rows)
+    for split in ("train", "val", "test"):
+        kept, index = open_kept(swapped, split, listed)
+        whole = open_split(swapped, split)
+        held = sum(r["split"] == split for r in rows)
+        assert len(kept) == len(whole) - held and len(index) == len(kept)
+        assert np.array_equal(np.asarray(kept.images), np.asarray(whole.images[index]))
+    _, report_list = run_stage(tmp_path / "report", swapped, champion, "report", capsys)[2:]
+    assert open_kept(swapped, "train", report_list)[1] is None  # `report` holds nothing out
+
+    seen = {}
+
+    def stop_at_training(cfg, info, split, champion):
+        seen["train"] = len(split)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(trainer, "build_training", stop_at_training)
+    cfg = resolve(tiny_params(), "optimized")
+    with pytest.raises(RuntimeError, match="stop here"):
+        trainer.fit(cfg, DistInfo(), swapped, tmp_path / "m", tmp_path / "t.json", tmp_path / "live", held_out=listed)
+    assert seen["train"] == len(open_split(swapped, "train")) - sum(r["split"] == "train" for r in rows)
+
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "eval.json").write_text(json.dumps({"top1": 0.9}))
+    verdict = run_gate(ReleaseConfig(artifact="m"), champion, champion, tmp_path / "eval", swapped, tmp_path / "gate",
+                       torch.device("cpu"), None, listed)
+    held_test = sum(r["split"] == "test" for r in rows)
+    assert held_test and verdict["challenger"]["test_images"] == len(open_split(swapped, "test")) - held_test
+
+
+def test_hold_out_leaves_the_flagged_test_photos_out_of_evaluate(tmp_path, swapped, champion, capsys):
+    """evaluate's test images and predictions.csv under `hold_out`: the kept photos, each by its own file."""
+    import csv
+
+    from cnnpipe.evaluate.evaluation import evaluate
+
+    listed = run_stage(tmp_path, swapped, champion, "hold_out", capsys)[3]
+    held = {r["source"] for r in map(json.loads, listed.read_text().splitlines()) if r["split"] == "test"}
+    result = evaluate(champion, swapped, tmp_path / "eval", torch.device("cpu"), held_out=listed)
+    with open(tmp_path / "eval" / "predictions.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    sources = [json.loads(line)["source"] for line in (swapped / "test_meta.jsonl").read_text().splitlines()]
+    assert held and result["images"] == len(sources) - len(held) == len(rows)
+    assert [r["source"] for r in rows] == [s for s in sources if s not in held]
+    assert all(r["actual"] == s.split("/")[0] for r, s in zip(rows, [s for s in sources if s not in held]))

@@ -15,9 +15,10 @@ class DeliveryConfig:
     """`release.delivery:` the check of a week's new photos against the champion before training
     (`cnnpipe.release.delivery`; docs/weekly-loop.md has its measured precision and recall)."""
 
-    policy: Literal["report", "stop"] = "report"
-    """What a flag does: `report` lists the photos and trains on; `stop` fails the delivery stage, so
-    training does not start, naming the list's file."""
+    policy: Literal["report", "hold_out", "stop"] = "report"
+    """What a flag does: `report` lists the photos and trains on; `hold_out` also keeps them out of
+    training, validation and the test split this week (nothing is deleted); `stop` fails the delivery
+    stage, so training does not start, naming the list's file."""
     confidence: float = 0.8
     """A new photo counts as a disagreement when the champion's calibrated probability of another
     class is at least this."""
@@ -29,8 +30,8 @@ class DeliveryConfig:
     """... and only when they are at least this share of the new photos filed under the given class."""
 
     def __post_init__(self) -> None:
-        if self.policy not in ("report", "stop"):
-            reject("release.delivery.policy", self.policy, "report | stop")
+        if self.policy not in ("report", "hold_out", "stop"):
+            reject("release.delivery.policy", self.policy, "report | hold_out | stop")
         if not 0.0 < self.confidence <= 1.0:
             reject("release.delivery.confidence", self.confidence, "a probability in (0, 1], e.g. 0.8")
         if not 0.0 < self.alpha < 1.0:

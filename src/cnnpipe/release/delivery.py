@@ -5,16 +5,20 @@ The model in production already knows what those photos are: for each photo new 
 store (`store.new_rows`, every split), the champion's calibrated answer (softmax of its logits over
 its fitted temperature, so "80% sure" means what it says). Per (given label a, predicted class b),
 the confident disagreements k among the n new photos filed under a are set against the champion's
-own confident a -> b rate on the old test images, p0 = (m + 1) / (N_a + 2) (a class it usually
-confuses is not flagged; the +1/+2 keeps an unseen confusion above zero). A pair is flagged when
-the one-sided exact binomial test P(X >= k | n, p0) survives Holm over every pair at
-`release.delivery.alpha`, with at least `min_images` such photos making at least `min_share` of n.
-The idea is confident learning's (Northcutt et al. 2021; cleanlab's label-issue finder), with a
-reference rate and a family-wise test in place of its per-class thresholds, so that an honest week
-is flagged at most `alpha` of the time whatever the class count.
+own confident a -> b count m among the N_a old test photos of a (so a class it usually confuses is
+not flagged). The p-value is P(X >= k) where X is what an honest delivery would show: binomial in n
+at the champion's rate, that rate uncertain as the test split leaves it (Beta(m + 1, N_a - m + 1),
+the uniform prior's posterior: X is beta-binomial, and its mean rate (m + 1) / (N_a + 2) is the
+`expected` share reported). A small test split thus asks for more evidence, instead of flagging
+honest weeks whenever it happened to see few confusions. A pair is flagged when that p-value
+survives Holm over every pair at `release.delivery.alpha`, with at least `min_images` such photos
+making at least `min_share` of n. The idea is confident learning's (Northcutt et al. 2021;
+cleanlab's label-issue finder), with a reference rate and a family-wise test in place of its
+per-class thresholds, so that an honest week is rarely flagged whatever the class count.
 
 The flagged photos (those of a flagged pair the champion was confident about) are listed by file;
-nothing is removed from the store, the catalog or the split ledger.
+under `policy: hold_out` their lines say so and training, evaluation and the gate leave them out
+(`data.held_out`). Nothing is removed from the store, the catalog or the split ledger.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy.stats import binom
+from scipy.stats import betabinom
 
-from cnnpipe.data.store import PreparedSplit, SPLITS, ShardedImages, new_rows, open_split, read_index
+from cnnpipe.data.held_out import subset
+from cnnpipe.data.store import PreparedSplit, SPLITS, new_rows, open_split, read_index
 from cnnpipe.files import CHAMPION_FILE, write_json
 from cnnpipe.release.stats import holm
 from cnnpipe.release.verdict import logit_batches
@@ -69,7 +74,7 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
     n_ref = np.bincount(ref_given, minlength=c)
     a, b = np.nonzero(~np.eye(c, dtype=bool) & checked[:, None] & (n > 0)[:, None])
     p0 = (m[a, b] + 1) / (n_ref[a] + 2)
-    p = binom.sf(k[a, b] - 1, n[a], p0)  # P(X >= k): 1 for k = 0
+    p = betabinom.sf(k[a, b] - 1, n[a], m[a, b] + 1, n_ref[a] - m[a, b] + 1)  # P(X >= k): 1 for k = 0
     p_holm = holm(p)
     share = k[a, b] / n[a]
     flagged = (p_holm <= cfg.alpha) & (k[a, b] >= cfg.min_images) & (share >= cfg.min_share)
@@ -82,14 +87,6 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
     in_flagged[a[flagged], b[flagged]] = True
     photos = sure & in_flagged[given, np.where(pred >= 0, pred, 0)]
     return pairs, photos
-
-
-def _subset(split: PreparedSplit, rows: np.ndarray) -> PreparedSplit:
-    """The rows of `split` as a split of their own, read lazily from the same shards."""
-    images = split.images
-    view = (ShardedImages(images.shards, images.where[rows], images.frame) if isinstance(images, ShardedImages)
-            else images[rows])
-    return PreparedSplit(view, np.asarray(split.labels[rows]), split.classes)
 
 
 def _sources(prepared_dir: Path, split: str, rows: np.ndarray) -> list[dict[str, Any]]:
@@ -139,14 +136,14 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
         rows = np.flatnonzero(new)
         if len(rows):
             opened = open_split(prepared_dir, split)
-            p, c = calibrated_answers(model, meta, _subset(opened, rows), device)
+            p, c = calibrated_answers(model, meta, subset(opened, rows), device)
             given.append(np.asarray(opened.labels[rows]))
             pred.append(to_today[p])
             conf.append(c)
             where += [(split, int(r)) for r in rows]
     test = open_split(prepared_dir, "test")
     old = np.flatnonzero(~marks["test"])
-    ref_pred, ref_conf = calibrated_answers(model, meta, _subset(test, old), device)
+    ref_pred, ref_conf = calibrated_answers(model, meta, subset(test, old), device)
     cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
     given_all, pred_all, conf_all = cat(given, np.int64), cat(pred, np.int64), cat(conf, np.float32)
     pairs, photos = flag_pairs(given_all, pred_all, conf_all, np.asarray(test.labels[old]), to_today[ref_pred],
@@ -159,14 +156,17 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
         rows = np.array([where[i][1] for i in chosen if where[i][0] == split], np.int64)
         for i, src in zip([i for i in chosen if where[i][0] == split], _sources(prepared_dir, split, rows)):
             files.append({**src, "split": split, "given": classes[given_all[i]],
-                          "predicted": classes[pred_all[i]], "confidence": round(float(conf_all[i]), 4)})
+                          "predicted": classes[pred_all[i]], "confidence": round(float(conf_all[i]), 4),
+                          "held_out": rules.policy == "hold_out"})
     files.sort(key=lambda f: (f["given"], f["predicted"], -f["confidence"]))
     flagged_pairs = [r for r in pairs if r["flagged"]]
     report = {"checked": True, "reason": None, "flagged": bool(flagged_pairs), "policy": rules.policy,
-              "champion": about.get("version"), "new_images": new_total, "checked_images": int(checked[given_all].sum()),
+              "champion": about.get("version"), "new_images": new_total,
+              "checked_images": int(checked[given_all].sum()),
               "test_images": len(old), "unknown_to_champion": [classes[i] for i in np.flatnonzero(~checked)],
               "confident_disagreements": int(sum(r["images"] for r in pairs)),
-              "flagged_images": len(files), "pairs": flagged_pairs, "closest_pairs": [r for r in pairs if not r["flagged"]][:5],
+              "flagged_images": len(files), "pairs": flagged_pairs,
+              "closest_pairs": [r for r in pairs if not r["flagged"]][:5],
               "rules": {"confidence": rules.confidence, "alpha": rules.alpha, "min_images": rules.min_images,
                         "min_share": rules.min_share, "temperature": meta["temperature"]},
               "files": [f["source"] for f in files[:FIRST_FILES]]}
@@ -191,5 +191,6 @@ def summary(report: dict[str, Any]) -> list[str]:
     lines = [head]
     for r in report["pairs"]:
         lines.append(f"{r['images']} of {r['of']} new '{r['given']}' photos look like '{r['predicted']}' "
-                     f"({r['share']:.0%}; {r['expected']:.1%} expected from the champion's test split; Holm p = {r['p_holm']:.2g})")
+                     f"({r['share']:.0%}; {r['expected']:.1%} expected from the champion's test split; "
+                     f"Holm p = {r['p_holm']:.2g})")
     return lines

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from cnnpipe.release_config import ReleaseConfig
+from cnnpipe.data.held_out import open_kept
 from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.store import PreparedSplit, open_split, read_index
+from cnnpipe.data.store import PreparedSplit, read_index
 from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
 from cnnpipe.release.gate import GateRules, class_map, judge
 from cnnpipe.release.render import render
@@ -57,13 +58,15 @@ def answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit, 
 
 
 def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_metrics: Path, prepared_dir: Path,
-             out_dir: Path, device: torch.device, delivery: Path | None = None) -> dict[str, Any]:
+             out_dir: Path, device: torch.device, delivery: Path | None = None,
+             held_out: Path | None = None) -> dict[str, Any]:
     """Judge the challenger (`challenger`/best.pt, its eval.json in `challenger_metrics`) against the
     champion stage's output in `champion`; write gate.json and gate.md to `out_dir`, repeating the
-    delivery check's flags when its report `delivery` exists."""
+    delivery check's flags when its report `delivery` exists; the test photos its list `held_out`
+    holds out are left out of both models' test (`data.held_out`)."""
     index = read_index(prepared_dir)
     classes, store = list(index["classes"]), store_recipe(index)
-    split = open_split(prepared_dir, "test")
+    split, _ = open_kept(prepared_dir, "test", held_out)
     metrics = json.loads((challenger_metrics / "eval.json").read_text())
     about = json.loads((champion / CHAMPION_FILE).read_text()) if (champion / CHAMPION_FILE).exists() else {}
     rules = GateRules.from_config(cfg)
