@@ -131,8 +131,8 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
     checked = np.zeros(len(classes), bool)
     checked[to_today[to_today >= 0]] = True
 
-    given, pred, conf, where = [], [], [], []
-    for split, new in marks.items():
+    given, pred, conf, split_of, row_of = [], [], [], [], []  # per new photo, splits in SPLITS order
+    for number, (split, new) in enumerate(marks.items()):
         rows = np.flatnonzero(new)
         if len(rows):
             opened = open_split(prepared_dir, split)
@@ -140,21 +140,22 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
             given.append(np.asarray(opened.labels[rows]))
             pred.append(to_today[p])
             conf.append(c)
-            where += [(split, int(r)) for r in rows]
+            split_of.append(np.full(len(rows), number))
+            row_of.append(rows)
     test = open_split(prepared_dir, "test")
     old = np.flatnonzero(~marks["test"])
     ref_pred, ref_conf = calibrated_answers(model, meta, subset(test, old), device)
     cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
     given_all, pred_all, conf_all = cat(given, np.int64), cat(pred, np.int64), cat(conf, np.float32)
+    split_all, row_all = cat(split_of, np.int64), cat(row_of, np.int64)
     pairs, photos = flag_pairs(given_all, pred_all, conf_all, np.asarray(test.labels[old]), to_today[ref_pred],
                                ref_conf, classes, checked, rules)
 
     chosen = np.flatnonzero(photos)
-    chosen = chosen[np.lexsort((-conf_all[chosen], pred_all[chosen], given_all[chosen]))]
     files: list[dict[str, Any]] = []
-    for split in marks:
-        rows = np.array([where[i][1] for i in chosen if where[i][0] == split], np.int64)
-        for i, src in zip([i for i in chosen if where[i][0] == split], _sources(prepared_dir, split, rows)):
+    for number, split in enumerate(marks):
+        mine = chosen[split_all[chosen] == number]
+        for i, src in zip(mine.tolist(), _sources(prepared_dir, split, row_all[mine])):
             files.append({**src, "split": split, "given": classes[given_all[i]],
                           "predicted": classes[pred_all[i]], "confidence": round(float(conf_all[i]), 4),
                           "held_out": rules.policy == "hold_out"})

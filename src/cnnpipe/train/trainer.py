@@ -55,8 +55,9 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
     note = batch_note(cfg, requested_batch)
     data_id = data_fingerprint(prepared_dir)
-    if held_out_digest(prepared_dir, held_out, ("train", "val")):  # other photos: another run, never resumed
-        data_id += ":held-out:" + held_out_digest(prepared_dir, held_out, ("train", "val"))
+    held = held_out_digest(prepared_dir, held_out, ("train", "val"))
+    if held:  # other photos than the store's splits: another run, never resumed from this one's last.pt
+        data_id += ":held-out:" + held
     if cfg.model.init == "champion" and champion is not None and (champion / "best.pt").exists():
         data_id += ":" + file_sha256(champion / "best.pt")[:16]  # a resume must start from the same champion
     # Before anything else: nodes that resolved different settings (or hold different data) would
