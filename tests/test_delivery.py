@@ -273,3 +273,17 @@ def test_hold_out_leaves_the_flagged_test_photos_out_of_evaluate(tmp_path, swapp
     assert held and result["images"] == len(sources) - len(held) == len(rows)
     assert [r["source"] for r in rows] == [s for s in sources if s not in held]
     assert all(r["actual"] == s.split("/")[0] for r, s in zip(rows, [s for s in sources if s not in held]))
+
+
+def test_every_stage_that_reads_photos_for_the_model_runs_after_the_check():
+    """`stop` keeps training from starting only if DVC runs the check first: training, evaluate and the
+    gate list the delivery stage's list (what `hold_out` reads), and the gate its report."""
+    import yaml
+
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    listed = next(iter(stages["delivery"]["outs"]))
+    assert listed == "data/delivery/flagged.jsonl" and f"--list {listed}" in stages["delivery"]["cmd"]
+    for name in ("train", "evaluate", "gate"):
+        stage = stages[name].get("do", stages[name])
+        assert listed in stage["deps"] and f"--held-out {listed}" in " ".join(stage["cmd"].split()), name
+    assert "metrics/delivery.json" in stages["gate"]["deps"]
