@@ -31,8 +31,8 @@ def main() -> int:
         raw = load_params(args.params)
         device = resolve_device(resolve(raw, "optimized").train.device)
         verdict = run_gate(release_config(raw), Path(args.champion), Path(args.challenger), Path(args.metrics),
-                           Path(args.data), Path(args.out), device, Path(args.delivery),
-                           Path(args.held_out))
+                           Path(args.data), Path(args.out), device, delivery=Path(args.delivery),
+                           held_out=Path(args.held_out))
     except (ParamsError, UnsafeCheckpoint, FileNotFoundError, KeyError, ValueError) as exc:
         print(f"gate: {exc}", file=sys.stderr)
         return 2

@@ -206,7 +206,7 @@ def test_the_gate_repeats_the_flags(tmp_path, swapped, champion, capsys):
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "eval.json").write_text(json.dumps({"top1": 0.9}))
     verdict = run_gate(ReleaseConfig(artifact="m"), champion, champion, tmp_path / "eval", swapped, tmp_path / "gate",
-                       torch.device("cpu"), tmp_path / "metrics" / "delivery.json")
+                       torch.device("cpu"), delivery=tmp_path / "metrics" / "delivery.json")
     assert verdict["delivery"]["flagged"] and {(r["given"], r["predicted"]) for r in verdict["delivery"]["pairs"]} \
         == {("green", "red"), ("red", "green")}
     page = (tmp_path / "gate" / "gate.md").read_text()
@@ -253,7 +253,7 @@ def test_hold_out_keeps_the_flagged_photos_out_of_training_and_the_test(tmp_path
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "eval.json").write_text(json.dumps({"top1": 0.9}))
     verdict = run_gate(ReleaseConfig(artifact="m"), champion, champion, tmp_path / "eval", swapped, tmp_path / "gate",
-                       torch.device("cpu"), None, listed)
+                       torch.device("cpu"), held_out=listed)
     held_test = sum(r["split"] == "test" for r in rows)
     assert held_test and verdict["challenger"]["test_images"] == len(open_split(swapped, "test")) - held_test
 

@@ -58,7 +58,7 @@ def answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit, 
 
 
 def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_metrics: Path, prepared_dir: Path,
-             out_dir: Path, device: torch.device, delivery: Path | None = None,
+             out_dir: Path, device: torch.device, *, delivery: Path | None = None,
              held_out: Path | None = None) -> dict[str, Any]:
     """Judge the challenger (`challenger`/best.pt, its eval.json in `challenger_metrics`) against the
     champion stage's output in `champion`; write gate.json and gate.md to `out_dir`, repeating the
