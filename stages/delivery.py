@@ -1,6 +1,6 @@
 """delivery stage: this week's new photos against the champion, before training.
 
-Writes metrics/delivery.json and the list of flagged photos (data/delivery/flagged.jsonl). With
+Writes metrics/delivery.json and the list of flagged photos (data/delivery/flagged.csv). With
 `release.delivery.policy: stop` and a flag it exits 1 after writing both, so `dvc repro` stops
 before training and the message names the list. With no champion yet it says so and passes.
 """
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default="data/prepared")
     parser.add_argument("--champion", default="models/champion", help="the champion stage's output")
     parser.add_argument("--out", default="metrics/delivery.json")
-    parser.add_argument("--list", default="data/delivery/flagged.jsonl", help="every flagged photo, one JSON line each")
+    parser.add_argument("--list", default="data/delivery/flagged.csv", help="every flagged photo, one CSV row each")
     args = parser.parse_args(argv)
     try:
         raw = load_params(args.params)

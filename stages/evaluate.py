@@ -17,7 +17,7 @@ def main() -> int:
     parser.add_argument("--data", default="data/prepared")
     parser.add_argument("--models", default="models")
     parser.add_argument("--metrics", default="metrics")
-    parser.add_argument("--held-out", default="data/delivery/flagged.jsonl",
+    parser.add_argument("--held-out", default="data/delivery/flagged.csv",
                         help="the delivery check's list: the photos it holds out (policy hold_out) are left out")
     args = parser.parse_args()
     try:

@@ -23,7 +23,7 @@ def main() -> int:
     parser.add_argument("--metrics", default="metrics/optimized", help="evaluate's eval.json for the challenger")
     parser.add_argument("--data", default="data/prepared")
     parser.add_argument("--delivery", default="metrics/delivery.json", help="the delivery check's report, repeated")
-    parser.add_argument("--held-out", default="data/delivery/flagged.jsonl",
+    parser.add_argument("--held-out", default="data/delivery/flagged.csv",
                         help="the delivery check's list: the photos it holds out (policy hold_out) are left out")
     parser.add_argument("--out", default="metrics", help="gate.json and gate.md go here")
     args = parser.parse_args()

@@ -33,7 +33,7 @@ def main() -> int:
                         "(default: <metrics>/plan/budget.yaml when it exists)")
     parser.add_argument("--champion", default="models/champion",
                         help="the model in production, for model.init: champion (the champion stage's output)")
-    parser.add_argument("--held-out", default="data/delivery/flagged.jsonl",
+    parser.add_argument("--held-out", default="data/delivery/flagged.csv",
                         help="the delivery check's list: the photos it holds out (policy hold_out) are left out")
     parser.add_argument("--nnodes", type=int, help="override train.nnodes (e.g. $SLURM_NNODES)")
     parser.add_argument("--node-rank", type=int, help="override train.node_rank (e.g. $SLURM_NODEID)")

@@ -151,6 +151,13 @@ def test_unconfident_disagreements_and_tiny_pairs_are_not_flagged():
     assert not pairs[0]["flagged"]  # 4 of 4, far above 1%, but under min_images
 
 
+def read_list(path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
 def run_stage(tmp_path: Path, prepared: Path, champion: Path, policy: str, capsys) -> tuple[int, str, str, Path]:
     import importlib.util
 
@@ -161,7 +168,7 @@ def run_stage(tmp_path: Path, prepared: Path, champion: Path, policy: str, capsy
     params["release"]["delivery"]["policy"] = policy
     params["train"]["device"] = "cpu"
     tmp_path.mkdir(parents=True, exist_ok=True)
-    out, listed = tmp_path / "metrics" / "delivery.json", tmp_path / "data" / "delivery" / "flagged.jsonl"
+    out, listed = tmp_path / "metrics" / "delivery.json", tmp_path / "data" / "delivery" / "flagged.csv"
     rc = stage.main(["--params", str(write_params(tmp_path / "params.yaml", params)), "--data", str(prepared),
                      "--champion", str(champion), "--out", str(out), "--list", str(listed)])
     captured = capsys.readouterr()
@@ -171,7 +178,7 @@ def run_stage(tmp_path: Path, prepared: Path, champion: Path, policy: str, capsy
 def test_the_stop_policy_fails_before_training_naming_the_list(tmp_path, swapped, champion, capsys):
     rc, out, err, listed = run_stage(tmp_path, swapped, champion, "stop", capsys)
     assert rc == 1 and f"{listed}" in err and "training does not start" in err
-    assert len(listed.read_text().splitlines()) >= 180  # the list is written before the stage fails
+    assert len(read_list(listed)) >= 180  # the list is written before the stage fails
     assert "new 'red' photos look like 'green'" in out and "new 'green' photos look like 'red'" in out
     report = json.loads((tmp_path / "metrics" / "delivery.json").read_text())
     assert report["list"] == str(listed) and report["flagged_images"] >= 180
@@ -184,7 +191,8 @@ def test_no_champion_says_so_and_passes(tmp_path, swapped, capsys):
     (tmp_path / "champion").mkdir()
     (tmp_path / "champion" / "champion.json").write_text(json.dumps({"version": None, "reason": "none"}))
     rc, out, _, listed = run_stage(tmp_path, swapped, tmp_path / "champion", "stop", capsys)
-    assert rc == 0 and "no champion yet" in out and listed.read_text() == ""
+    assert rc == 0 and "no champion yet" in out and read_list(listed) == []
+    assert listed.read_text().startswith("source,sha256,split,")  # a header, never an empty file
     report = json.loads((tmp_path / "metrics" / "delivery.json").read_text())
     assert report["checked"] is False and report["flagged"] is False
 
@@ -212,7 +220,7 @@ def test_the_gate_repeats_the_flags(tmp_path, swapped, champion, capsys):
     page = (tmp_path / "gate" / "gate.md").read_text()
     assert "## Delivery check: " in page
     assert "| green | red | 100 of 150 |" in page and "| red | green | 100 of 150 |" in page
-    assert "flagged.jsonl" in page
+    assert "flagged.csv" in page
 
 
 def test_hold_out_keeps_the_flagged_photos_out_of_training_and_the_test(tmp_path, swapped, champion, capsys,
@@ -227,8 +235,8 @@ def test_hold_out_keeps_the_flagged_photos_out_of_training_and_the_test(tmp_path
     from cnnpipe.train.distributed import DistInfo
 
     rc, out, _, listed = run_stage(tmp_path, swapped, champion, "hold_out", capsys)
-    rows = [json.loads(line) for line in listed.read_text().splitlines()]
-    assert rc == 0 and len(rows) >= 180 and all(r["held_out"] for r in rows)
+    rows = read_list(listed)
+    assert rc == 0 and len(rows) >= 180 and all(r["held_out"] == "true" for r in rows)
     for split in ("train", "val", "test"):
         kept, index = open_kept(swapped, split, listed)
         whole = open_split(swapped, split)
@@ -265,7 +273,7 @@ def test_hold_out_leaves_the_flagged_test_photos_out_of_evaluate(tmp_path, swapp
     from cnnpipe.evaluate.evaluation import evaluate
 
     listed = run_stage(tmp_path, swapped, champion, "hold_out", capsys)[3]
-    held = {r["source"] for r in map(json.loads, listed.read_text().splitlines()) if r["split"] == "test"}
+    held = {r["source"] for r in read_list(listed) if r["split"] == "test"}
     result = evaluate(champion, swapped, tmp_path / "eval", torch.device("cpu"), held_out=listed)
     with open(tmp_path / "eval" / "predictions.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -282,7 +290,7 @@ def test_every_stage_that_reads_photos_for_the_model_runs_after_the_check():
 
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     listed = next(iter(stages["delivery"]["outs"]))
-    assert listed == "data/delivery/flagged.jsonl" and f"--list {listed}" in stages["delivery"]["cmd"]
+    assert listed == "data/delivery/flagged.csv" and f"--list {listed}" in stages["delivery"]["cmd"]
     for name in ("train", "evaluate", "gate"):
         stage = stages[name].get("do", stages[name])
         assert listed in stage["deps"] and f"--held-out {listed}" in " ".join(stage["cmd"].split()), name

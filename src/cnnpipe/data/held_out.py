@@ -1,13 +1,14 @@
 """Photos held out this week: the delivery check's flagged photos under `release.delivery.policy:
 hold_out`, kept out of training, validation and the test split until a person fixes their labels.
 
-The list is the delivery stage's (one JSON line per photo: split, source, sha256, `held_out`).
+The list is the delivery stage's (a CSV, one row per photo: source, sha256, split, ..., `held_out`).
 Nothing is removed from the store, the catalog or the split ledger: a reader opens its split and
 leaves those rows out (`open_kept`), so next week's store, with the labels fixed, has them back.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 from pathlib import Path
@@ -29,13 +30,9 @@ def held_out_sources(list_path: Path | None, split: str) -> set[tuple[str, str]]
     """(source, sha256) of the photos of `split` the list holds out (none without a list)."""
     if list_path is None or not Path(list_path).exists():
         return set()
-    found = set()
-    with open(list_path, encoding="utf-8") as fh:
-        for line in fh:
-            row = json.loads(line)
-            if row.get("held_out") and row.get("split") == split:
-                found.add((row["source"], row["sha256"]))
-    return found
+    with open(list_path, newline="", encoding="utf-8") as fh:
+        return {(row["source"], row["sha256"]) for row in csv.DictReader(fh)
+                if row["held_out"] == "true" and row["split"] == split}
 
 
 def held_out_rows(prepared_dir: Path, split: str, list_path: Path | None) -> np.ndarray:

@@ -23,6 +23,7 @@ under `policy: hold_out` their lines say so and training, evaluation and the gat
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, stor
 from cnnpipe.train.trained import load_trained
 
 FIRST_FILES = 100  # how many flagged files delivery.json names (the list file has them all)
+LIST_COLUMNS = ["source", "sha256", "split", "given", "predicted", "confidence", "held_out"]
 
 
 def calibrated_answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit,
@@ -175,10 +177,14 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
 
 
 def write_delivery(report: dict[str, Any], files: list[dict[str, Any]], metrics_path: Path, list_path: Path) -> None:
-    """delivery.json (the report, naming the list) and the list of flagged photos, one JSON line each."""
+    """delivery.json (the report, naming the list) and the list of flagged photos: a CSV with a header
+    row, one row per photo (never an empty file: DVC warns about those), for a spreadsheet or a script."""
     list_path.parent.mkdir(parents=True, exist_ok=True)
     temp = list_path.with_name(f".{list_path.name}.tmp")
-    temp.write_text("".join(json.dumps(f) + "\n" for f in files), encoding="utf-8")
+    with open(temp, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=LIST_COLUMNS)
+        writer.writeheader()
+        writer.writerows({**f, "held_out": "true" if f["held_out"] else "false"} for f in files)
     temp.replace(list_path)
     write_json(metrics_path, {**report, "list": str(list_path)})
 
