@@ -189,6 +189,11 @@ def write_delivery(report: dict[str, Any], files: list[dict[str, Any]], metrics_
     write_json(metrics_path, {**report, "list": str(list_path)})
 
 
+def p_text(p: float) -> str:
+    """'= 3.1e-05', or '< 1e-300' where the p-value underflows to 0."""
+    return "< 1e-300" if p < 1e-300 else f"= {p:.2g}"
+
+
 def summary(report: dict[str, Any]) -> list[str]:
     """The report in a few lines: what the stage prints and the gate repeats."""
     if not report["checked"]:
@@ -199,5 +204,5 @@ def summary(report: dict[str, Any]) -> list[str]:
     for r in report["pairs"]:
         lines.append(f"{r['images']} of {r['of']} new '{r['given']}' photos look like '{r['predicted']}' "
                      f"({r['share']:.0%}; {r['expected']:.1%} expected from the champion's test split; "
-                     f"Holm p = {r['p_holm']:.2g})")
+                     f"Holm p {p_text(r['p_holm'])})")
     return lines

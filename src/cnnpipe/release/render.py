@@ -23,6 +23,10 @@ def _paired_row(name: str, p: dict[str, Any]) -> str:
             f"{p['negative_flips']} / {p['positive_flips']} | {needed} | {p['outcome']} |")
 
 
+def _p(p: float) -> str:
+    return "< 1e-300" if p < 1e-300 else f"{p:.2g}"  # an exact test's p-value can underflow to 0
+
+
 def _delivery_lines(delivery: dict[str, Any] | None) -> list[str]:
     """The delivery check's flags (metrics/delivery.json), repeated: what this week's photos looked like."""
     if not delivery:
@@ -34,7 +38,7 @@ def _delivery_lines(delivery: dict[str, Any] | None) -> list[str]:
              f"(policy `{delivery['policy']}`; every one in `{delivery.get('list')}`)", "",
              "| Filed as | Looks like | Photos | Share | Expected | p (Holm) |", "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {_cell(r['given'])} | {_cell(r['predicted'])} | {r['images']} of {r['of']} | {r['share']:.0%} | "
-              f"{r['expected']:.1%} | {r['p_holm']:.2g} |" for r in delivery["pairs"]]
+              f"{r['expected']:.1%} | {_p(r['p_holm'])} |" for r in delivery["pairs"]]
     return lines
 
 
