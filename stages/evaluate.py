@@ -17,11 +17,13 @@ def main() -> int:
     parser.add_argument("--data", default="data/prepared")
     parser.add_argument("--models", default="models")
     parser.add_argument("--metrics", default="metrics")
+    parser.add_argument("--held-out", default="data/delivery/flagged.csv",
+                        help="the delivery check's list: the photos it holds out (policy hold_out) are left out")
     args = parser.parse_args()
     try:
         cfg = resolve(load_params(args.params), args.variant)
         result = evaluate(Path(args.models) / args.variant, Path(args.data), Path(args.metrics) / args.variant,
-                          resolve_device(cfg.train.device))
+                          resolve_device(cfg.train.device), held_out=Path(args.held_out))
     except (ParamsError, UnsafeCheckpoint, FileNotFoundError) as exc:
         print(f"evaluate[{args.variant}]: {exc}", file=sys.stderr)
         return 2

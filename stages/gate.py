@@ -23,14 +23,17 @@ def main() -> int:
     parser.add_argument("--metrics", default="metrics/optimized", help="evaluate's eval.json for the challenger")
     parser.add_argument("--data", default="data/prepared")
     parser.add_argument("--data-report", default="metrics/data_report.json", help="prepare's report: the week's relabels")
+    parser.add_argument("--delivery", default="metrics/delivery.json", help="the delivery check's report, repeated")
+    parser.add_argument("--held-out", default="data/delivery/flagged.csv",
+                        help="the delivery check's list: the photos it holds out (policy hold_out) are left out")
     parser.add_argument("--out", default="metrics", help="gate.json and gate.md go here")
     args = parser.parse_args()
     try:
         raw = load_params(args.params)
         device = resolve_device(resolve(raw, "optimized").train.device)
         verdict = run_gate(release_config(raw), Path(args.champion), Path(args.challenger), Path(args.metrics),
-                           Path(args.data), Path(args.out), device,
-                           Path(args.data_report))
+                           Path(args.data), Path(args.out), device, Path(args.data_report),
+                           delivery=Path(args.delivery), held_out=Path(args.held_out))
     except (ParamsError, UnsafeCheckpoint, FileNotFoundError, KeyError, ValueError) as exc:
         print(f"gate: {exc}", file=sys.stderr)
         return 2

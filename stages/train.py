@@ -33,6 +33,8 @@ def main() -> int:
                         "(default: <metrics>/plan/budget.yaml when it exists)")
     parser.add_argument("--champion", default="models/champion",
                         help="the model in production, for model.init: champion (the champion stage's output)")
+    parser.add_argument("--held-out", default="data/delivery/flagged.csv",
+                        help="the delivery check's list: the photos it holds out (policy hold_out) are left out")
     parser.add_argument("--nnodes", type=int, help="override train.nnodes (e.g. $SLURM_NNODES)")
     parser.add_argument("--node-rank", type=int, help="override train.node_rank (e.g. $SLURM_NODEID)")
     parser.add_argument("--rdzv-endpoint", help="override train.rdzv_endpoint (host:port of node 0)")
@@ -55,7 +57,8 @@ def main() -> int:
         info = init_distributed(cfg.train.device, cfg.train.node_rank)
         fit(cfg, info, Path(args.data), Path(args.models) / args.variant,
             Path(args.metrics) / args.variant / "train.json", Path(args.metrics) / args.variant / "live",
-            tuned=read_tuned(tuned) if tuned.exists() else None, champion=Path(args.champion))
+            tuned=read_tuned(tuned) if tuned.exists() else None, champion=Path(args.champion),
+            held_out=Path(args.held_out))
     except ConfigMismatch as exc:  # the nodes disagree, on every rank: restarting would only repeat it
         return stop_without_restart(f"train[{args.variant}]: {exc}")
     except (WeightsUnavailable, NonFiniteLoss, UnsafeCheckpoint, DiskFull, ValueError,

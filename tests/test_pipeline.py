@@ -65,9 +65,10 @@ def test_repro_produces_every_output_and_metric(reproduced):
     ran = stages_run(out)
     assert set(ran) == {"machine", "prepare", "profile@baseline", "profile@optimized", "profile_report", "plan",
                         "train@baseline", "train@optimized", "evaluate@baseline", "evaluate@optimized",
-                        "export@baseline", "export@optimized", "compare", "champion", "gate"}
-    # The plan is printed before any training starts.
-    assert ran.index("plan") < min(ran.index("train@baseline"), ran.index("train@optimized"))
+                        "export@baseline", "export@optimized", "compare", "champion", "delivery", "gate"}
+    # The plan is printed, and the delivery checked (no champion yet: it says so), before any training starts.
+    assert max(ran.index("plan"), ran.index("delivery")) < min(ran.index("train@baseline"), ran.index("train@optimized"))
+    assert "delivery: not checked: no champion yet" in out
     assert out.index("# Time plan (budget 20 min)") < out.index("Running stage 'train@")
     plan = json.loads((project / "metrics" / "plan" / "plan.json").read_text())
     assert plan["fraction"] == 1.0  # a tiny run trains in seconds

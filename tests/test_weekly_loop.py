@@ -155,6 +155,8 @@ def test_three_weeks_bless_promote_refuse_serve_and_roll_back(project, tmp_path)
                + [("blue", "red", "train", f"w2-blue-{i}") for i in range(120)])
     before = remote_tags(origin)
     gate = week(project, "week 2")
+    named = {(p["given"], p["predicted"]) for p in gate["delivery"]["pairs"]}  # the check before training, repeated
+    assert named == {("red", "blue"), ("blue", "red")} and gate["delivery"]["flagged_images"] == 240
     assert not gate["blessed"] and sorted(gate["classes_failing"]) == ["blue", "red"], gate["reasons"]
     assert all(any(f"class '{c}' loses" in r for r in gate["reasons"]) for c in ("red", "blue"))
     refused = promote(project)

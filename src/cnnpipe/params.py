@@ -70,6 +70,8 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, str):
             reject(key, value, "a string")
         return value
+    if dataclasses.is_dataclass(hint):  # a subsection (release.delivery)
+        return build_section(hint, value, key)
     if origin is dict:  # a mapping of names to values (release.floors)
         if not isinstance(value, dict):
             reject(key, value, "a mapping")

@@ -11,6 +11,38 @@ from cnnpipe.config import reject
 
 
 @dataclass(frozen=True)
+class DeliveryConfig:
+    """`release.delivery:` the check of a week's new photos against the champion before training
+    (`cnnpipe.release.delivery`; docs/weekly-loop.md has its measured precision and recall)."""
+
+    policy: Literal["report", "hold_out", "stop"] = "report"
+    """What a flag does: `report` lists the photos and trains on; `hold_out` also keeps them out of
+    training, validation and the test split this week (nothing is deleted); `stop` fails the delivery
+    stage, so training does not start, naming the list's file."""
+    confidence: float = 0.8
+    """A new photo counts as a disagreement when the champion's calibrated probability of another
+    class is at least this."""
+    alpha: float = 0.01
+    """Family-wise error rate of the per-pair tests (Holm over every (given, predicted) pair)."""
+    min_images: int = 5
+    """A pair is flagged only with at least this many confident disagreements."""
+    min_share: float = 0.05
+    """... and only when they are at least this share of the new photos filed under the given class."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("report", "hold_out", "stop"):
+            reject("release.delivery.policy", self.policy, "report | hold_out | stop")
+        if not 0.0 < self.confidence <= 1.0:
+            reject("release.delivery.confidence", self.confidence, "a probability in (0, 1], e.g. 0.8")
+        if not 0.0 < self.alpha < 1.0:
+            reject("release.delivery.alpha", self.alpha, "a probability in (0, 1), e.g. 0.01")
+        if not (isinstance(self.min_images, int) and self.min_images >= 1):
+            reject("release.delivery.min_images", self.min_images, "an integer >= 1")
+        if not 0.0 <= self.min_share <= 1.0:
+            reject("release.delivery.min_share", self.min_share, "a share in [0, 1], e.g. 0.05")
+
+
+@dataclass(frozen=True)
 class ReleaseConfig:
     """`release:` section: which model is in production, and what a challenger must do to replace it
     (docs/weekly-loop.md has the operating characteristics of these defaults)."""
@@ -48,6 +80,8 @@ class ReleaseConfig:
     input size, normalisation) differs from this run's; refused by default."""
     floors: dict[str, float] = field(default_factory=lambda: {"top1": 0.5})
     """Lowest allowed values of the challenger's own eval.json metrics (top1, top5, macro_f1, ...)."""
+    delivery: DeliveryConfig = field(default_factory=DeliveryConfig)
+    """The delivery check before training (`DeliveryConfig`)."""
 
     def __post_init__(self) -> None:
         for key in ("artifact", "stage"):

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from cnnpipe.data.held_out import open_kept
 from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.store import open_split, read_index, test_sources
+from cnnpipe.data.store import read_index, test_sources
 from cnnpipe.evaluate.gallery import most_confident_mistakes, save_gallery
 from cnnpipe.evaluate.metrics import (
     calibration_bins,
@@ -96,11 +97,12 @@ def _cell(text: str) -> str:
 
 
 def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.device,
-             max_images: int | None = None, gallery_size: int = 16) -> dict[str, Any]:
+             max_images: int | None = None, gallery_size: int = 16, held_out: Path | None = None) -> dict[str, Any]:
     """Write eval.json, classes.json, classes.md, confusion.csv, predictions.csv, calibration.csv (with
-    the fitted temperature), calibration_raw.csv (without) and mistakes.png to `out_dir`."""
+    the fitted temperature), calibration_raw.csv (without) and mistakes.png to `out_dir`; the test
+    photos the delivery check's list `held_out` holds out are left out (`data.held_out`)."""
     model, meta = load_trained(model_dir, device)
-    split = open_split(prepared_dir, "test", limit=max_images)
+    split, kept = open_kept(prepared_dir, "test", held_out, limit=max_images)
     loader = build_eval_loader(split, batch_size=256)
     t0 = time.perf_counter()
     raw, labels = predict(model, loader, make_transform(meta), device, meta["amp"])
@@ -129,8 +131,9 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
     mistakes = most_confident_mistakes(logits, labels, gallery_size)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_class_results(out_dir, summary, classes, mistakes)
+    sources = test_sources(prepared_dir, max_images)
     write_predictions(out_dir / "predictions.csv", summary, labels.tolist(), classes,
-                      test_sources(prepared_dir, n))
+                      sources[:n] if kept is None else [sources[i] for i in kept])
     for name, bins in (("calibration.csv", summary["calibration"]), ("calibration_raw.csv", raw_bins)):
         with open(out_dir / name, "w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=list(bins[0]))

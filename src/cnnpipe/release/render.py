@@ -23,6 +23,25 @@ def _paired_row(name: str, p: dict[str, Any]) -> str:
             f"{p['negative_flips']} / {p['positive_flips']} | {needed} | {p['outcome']} |")
 
 
+def _p(p: float) -> str:
+    return "< 1e-300" if p < 1e-300 else f"{p:.2g}"  # an exact test's p-value can underflow to 0
+
+
+def _delivery_lines(delivery: dict[str, Any] | None) -> list[str]:
+    """The delivery check's flags (metrics/delivery.json), repeated: what this week's photos looked like."""
+    if not delivery:
+        return []
+    if not delivery.get("flagged"):
+        said = "nothing flagged" if delivery.get("checked") else f"not checked: {delivery.get('reason')}"
+        return ["", f"Delivery check: {said} ({delivery.get('new_images', 0):,} new photos)."]
+    lines = ["", f"## Delivery check: {delivery['flagged_images']:,} of {delivery['new_images']:,} new photos flagged "
+             f"(policy `{delivery['policy']}`; every one in `{delivery.get('list')}`)", "",
+             "| Filed as | Looks like | Photos | Share | Expected | p (Holm) |", "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {_cell(r['given'])} | {_cell(r['predicted'])} | {r['images']} of {r['of']} | {r['share']:.0%} | "
+              f"{r['expected']:.1%} | {_p(r['p_holm'])} |" for r in delivery["pairs"]]
+    return lines
+
+
 def render(verdict: dict[str, Any]) -> str:
     """gate.md: the verdict first, then the warnings and every reason, then the tables behind them."""
     champion = verdict.get("champion") or {}
@@ -67,5 +86,6 @@ def render(verdict: dict[str, Any]) -> str:
                   "| From | To | Images | Share of the former class |", "|---|---|---:|---:|"]
         lines += [f"| {_cell(r['from'])} | {_cell(r['to'])} | {r['images']} | {r['share_of_from']:.1%} |"
                   for r in verdict["relabels"]]
+    lines += _delivery_lines(verdict.get("delivery"))
     lines += ["", "Promote a blessed model with `python -m cnnpipe.promote` (it refuses a refused one).", ""]
     return "\n".join(lines)

@@ -20,10 +20,16 @@ from cnnpipe.data.store import new_rows, suppliers
 MAX_SUPPLIERS = 20  # the largest suppliers sliced; a catalog of thousands would make gate.md a phone book
 
 
-def slice_masks(prepared_dir: Path) -> dict[str, np.ndarray]:
+def slice_masks(prepared_dir: Path, kept: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Boolean masks over the test split, in its order, by name: last week's and this week's new test
     images (when the store says which are new and both exist), and each supplier's (when the
-    manifest names more than one, or some rows none)."""
+    manifest names more than one, or some rows none). `kept`: the rows the gate judges (the delivery
+    check's held-out photos left out); None: all."""
+    slices = _masks(prepared_dir)
+    return slices if kept is None else {name: mask[kept] for name, mask in slices.items()}
+
+
+def _masks(prepared_dir: Path) -> dict[str, np.ndarray]:
     slices: dict[str, np.ndarray] = {}
     new = new_rows(prepared_dir, "test")
     if new is not None and new.any() and not new.all():

@@ -10,6 +10,7 @@ the champion knows (`challenger_pred_known`: like for like). Its floors use eval
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,9 @@ import numpy as np
 import torch
 
 from cnnpipe.release_config import ReleaseConfig
+from cnnpipe.data.held_out import open_kept
 from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.store import PreparedSplit, open_split, read_index
+from cnnpipe.data.store import PreparedSplit, read_index
 from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
 from cnnpipe.release.gate import GateRules, class_map, judge
 from cnnpipe.release.render import render
@@ -29,16 +31,25 @@ from cnnpipe.train.trained import load_trained, make_transform
 
 
 @torch.no_grad()
+def logit_batches(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit, device: torch.device,
+                  batch_size: int = 256) -> Iterator[torch.Tensor]:
+    """The model's float logits on `split`, batch by batch in its order, through its input recipe."""
+    model.eval()
+    transform = make_transform(meta)
+    for images, _ in build_eval_loader(split, batch_size=batch_size):
+        with autocast(meta["amp"], device):
+            logits = model(transform(images.to(device, non_blocking=True)))
+        yield logits.float()
+
+
+@torch.no_grad()
 def answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit, device: torch.device,
             among: np.ndarray | None = None, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray | None]:
     """The model's argmax per test image, and with `among` (a mask over its classes) its argmax among
     those classes alone. Argmaxes are taken batch by batch: no N x classes logits kept."""
-    model.eval()
-    transform, top, top_among = make_transform(meta), [], []
+    top, top_among = [], []
     masked = None if among is None else torch.as_tensor(~among, device=device)
-    for images, _ in build_eval_loader(split, batch_size=batch_size):
-        with autocast(meta["amp"], device):
-            logits = model(transform(images.to(device, non_blocking=True))).float()
+    for logits in logit_batches(model, meta, split, device, batch_size):
         top.append(logits.argmax(1))
         if masked is not None:
             top_among.append(logits.masked_fill(masked, float("-inf")).argmax(1))
@@ -48,13 +59,16 @@ def answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit, 
 
 
 def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_metrics: Path, prepared_dir: Path,
-             out_dir: Path, device: torch.device, data_report: Path | None = None) -> dict[str, Any]:
+             out_dir: Path, device: torch.device, data_report: Path | None = None, *,
+             delivery: Path | None = None, held_out: Path | None = None) -> dict[str, Any]:
     """Judge the challenger (`challenger`/best.pt, its eval.json in `challenger_metrics`) against the
     champion stage's output in `champion`; write gate.json and gate.md to `out_dir`. The slices and the
-    week's relabels (from prepare's `data_report`) are reported beside the verdict."""
+    week's relabels (from prepare's `data_report`) are reported beside the verdict, and the delivery
+    check's flags when its report `delivery` exists; the test photos its list `held_out` holds out are
+    left out of both models' test (`data.held_out`)."""
     index = read_index(prepared_dir)
     classes, store = list(index["classes"]), store_recipe(index)
-    split = open_split(prepared_dir, "test")
+    split, kept = open_kept(prepared_dir, "test", held_out)
     metrics = json.loads((challenger_metrics / "eval.json").read_text())
     about = json.loads((champion / CHAMPION_FILE).read_text()) if (champion / CHAMPION_FILE).exists() else {}
     rules = GateRules.from_config(cfg)
@@ -86,7 +100,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
         else:
             their_pred, _ = answers(their_model, their_meta, split, device)
             verdict = judge(split.labels, their_pred, ours, classes, their_meta["classes"], rules, ours_known,
-                            metrics=metrics, slices=slice_masks(prepared_dir))
+                            metrics=metrics, slices=slice_masks(prepared_dir, kept))
     verdict["relabels"], relabelled = week_relabels(data_report, index, cfg.max_relabel_share)
     verdict["warnings"] = verdict.get("warnings", []) + notes + relabelled
     verdict["champion"] = about or None
@@ -99,6 +113,10 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
                         "max_to_new_class": cfg.max_to_new_class, "renamed": dict(cfg.renamed),
                         "max_relabel_share": cfg.max_relabel_share,
                         "floors": dict(cfg.floors), "stage": cfg.stage, "artifact": cfg.artifact}
+    if delivery is not None and delivery.exists():  # the week's flags, repeated (not a reason to refuse)
+        checked = json.loads(delivery.read_text())
+        verdict["delivery"] = {k: checked.get(k) for k in ("checked", "reason", "flagged", "policy", "new_images",
+                                                            "flagged_images", "pairs", "list")}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "gate.json", verdict)
     (out_dir / "gate.md").write_text(render(verdict), encoding="utf-8")

@@ -11,9 +11,10 @@ import torch
 from tqdm import tqdm
 
 from cnnpipe.config import VariantConfig
+from cnnpipe.data.held_out import held_out_digest, open_kept
 from cnnpipe.data.loaders import FastTransform, build_eval_loader
 from cnnpipe.data.split import balanced_subset
-from cnnpipe.data.store import data_fingerprint, open_split
+from cnnpipe.data.store import data_fingerprint
 from cnnpipe.files import file_sha256, write_json
 from cnnpipe.hardware import usable_cores
 from cnnpipe.monitor import GpuUtilSampler, process_seconds
@@ -35,15 +36,17 @@ from cnnpipe.train.tuning import resolve_auto
 def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, metrics_path: Path,
         live_dir: Path, tuned: dict[str, Any] | None = None,
         epoch_hook: Callable[[torch.nn.Module], dict[str, float]] | None = None,
-        champion: Path | None = None) -> dict[str, Any] | None:
+        champion: Path | None = None, held_out: Path | None = None) -> dict[str, Any] | None:
     """Train `cfg.variant`; resume from `model_dir/last.pt` when it was made under the same params.
 
     `tuned` holds the profile's measured values for knobs the params leave at `auto`. `epoch_hook`
     (benchmarks) is called with the model after each epoch's validation, outside the timed epoch;
-    what it returns joins that epoch's record.
+    what it returns joins that epoch's record. `held_out`: the delivery check's list; the training
+    and validation photos it holds out are left out (`data.held_out`).
     """
     t_start = time.perf_counter()
-    train_split = open_split(prepared_dir, "train")
+    train_split, _ = open_kept(prepared_dir, "train", held_out)
+    val_kept, _ = open_kept(prepared_dir, "val", held_out)
     cfg, epochs_note = epochs_to_train(cfg)  # `auto` arrives as the plan's count (apply_budget)
     if epochs_note and info.is_primary:
         print(f"train[{cfg.variant}]: {epochs_note}", flush=True)
@@ -52,6 +55,9 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
     note = batch_note(cfg, requested_batch)
     data_id = data_fingerprint(prepared_dir)
+    held = held_out_digest(prepared_dir, held_out, ("train", "val"))
+    if held:  # other photos than the store's splits: another run, never resumed from this one's last.pt
+        data_id += ":held-out:" + held
     if cfg.model.init == "champion" and champion is not None and (champion / "best.pt").exists():
         data_id += ":" + file_sha256(champion / "best.pt")[:16]  # a resume must start from the same champion
     # Before anything else: nodes that resolved different settings (or hold different data) would
@@ -66,7 +72,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
                          "set train.sync_bn: false for CPU training")
     parts = build_training(cfg, info, train_split, champion)
     ema = ModelEma(parts.model, decay_for_run(t.ema_decay, parts.schedule.total_steps)) if t.ema_decay else None
-    val_split = balanced_subset(open_split(prepared_dir, "val"), t.val_images, cfg.seed)
+    val_split = balanced_subset(val_kept, t.val_images, cfg.seed)
     val_loader = build_eval_loader(val_split, batch_size=max(t.batch_size, 256), rank=info.rank,
                                    world_size=info.world_size)
     val_transform = FastTransform(parts.aug, parts.mean, parts.std, train=False, channels_last=t.channels_last,
@@ -117,7 +123,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     summary.update(epochs_planned=t.epochs, stopped_early=progress.stopped_early,
                    ema_decay=ema.decay if ema is not None else None,
                    optimizer_steps=parts.schedule.total_steps, batch_note=note, val_images=len(val_split),
-                   calibration=calibrate_best(model_dir, open_split(prepared_dir, "val"), info.device, recipe),
+                   calibration=calibrate_best(model_dir, val_kept, info.device, recipe),
                    stage_time_s=process_seconds())
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())

@@ -1,0 +1,51 @@
+"""delivery stage: this week's new photos against the champion, before training.
+
+Writes metrics/delivery.json and the list of flagged photos (data/delivery/flagged.csv). With
+`release.delivery.policy: stop` and a flag it exits 1 after writing both, so `dvc repro` stops
+before training and the message names the list. With no champion yet it says so and passes.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from cnnpipe.params import ParamsError, load_params, release_config, resolve
+from cnnpipe.release.delivery import check_delivery, summary, write_delivery
+from cnnpipe.train.checkpoint import UnsafeCheckpoint
+from cnnpipe.train.distributed import resolve_device
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--data", default="data/prepared")
+    parser.add_argument("--champion", default="models/champion", help="the champion stage's output")
+    parser.add_argument("--out", default="metrics/delivery.json")
+    parser.add_argument("--list", default="data/delivery/flagged.csv", help="every flagged photo, one CSV row each")
+    args = parser.parse_args(argv)
+    try:
+        raw = load_params(args.params)
+        cfg = release_config(raw)
+        device = resolve_device(resolve(raw, "optimized").train.device)
+        report, files = check_delivery(Path(args.data), Path(args.champion), cfg, device)
+    except (ParamsError, UnsafeCheckpoint, FileNotFoundError, KeyError, ValueError) as exc:
+        print(f"delivery: {exc}", file=sys.stderr)
+        return 2
+    write_delivery(report, files, Path(args.out), Path(args.list))
+    for line in summary(report):
+        print(f"delivery: {line}")
+    for name in report["files"][:10]:
+        print(f"delivery:   {name}")
+    if report["flagged"]:
+        more = f" (the first {len(report['files'])} in {args.out})" if report["files"] else ""
+        print(f"delivery: every flagged photo is listed in {args.list}{more}")
+        if cfg.delivery.policy == "stop":
+            print(f"delivery: STOP (release.delivery.policy: stop): training does not start. Fix the labels of the "
+                  f"photos listed in {args.list} in the catalog, or rerun with `-S release.delivery.policy=report`",
+                  file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
