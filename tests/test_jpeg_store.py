@@ -16,6 +16,7 @@ import simplejpeg
 
 from cnnpipe.config import DataConfig, ParamsError
 from cnnpipe.data import codec
+from cnnpipe.data.held_out import subset
 from cnnpipe.data.prepare import prepare, prepare_fashion_mnist, store_encoding
 from cnnpipe.data.store import SHARDS, data_fingerprint, open_split, read_index
 from cnnpipe.train.recipe import STORE_KEYS, input_recipe, photo_input, recipe_differences, store_recipe
@@ -79,6 +80,10 @@ def test_a_jpeg_store_holds_the_raw_stores_images_in_the_same_order_and_splits(t
         assert np.array_equal(jpeg.images[picks], decoded[picks])
         assert np.array_equal(jpeg.images[1], decoded[1]) and np.array_equal(np.asarray(jpeg.images[1:3]), decoded[1:3])
         assert np.array_equal(np.asarray(pickle.loads(pickle.dumps(jpeg)).images), decoded)  # a worker's copy
+        # Some rows as a split of their own (the delivery check's new photos, the held-out ones left out).
+        part = subset(jpeg, picks)
+        assert np.array_equal(np.asarray(part.images), decoded[picks]) and np.array_equal(part.labels, jpeg.labels[picks])
+        assert np.array_equal(np.asarray(pickle.loads(pickle.dumps(part)).images), decoded[picks])
     assert data_fingerprint(tmp_path / "raw") != data_fingerprint(tmp_path / "jpeg")  # other pixels, other runs
 
 

@@ -21,8 +21,7 @@ from cnnpipe.data.store import PreparedSplit, ShardedImages, open_split
 def subset(split: PreparedSplit, rows: np.ndarray) -> PreparedSplit:
     """The rows of `split` (indices, in order) as a split of their own, read lazily from the same shards."""
     images = split.images
-    view = (ShardedImages(images.shards, images.where[rows], images.frame) if isinstance(images, ShardedImages)
-            else images[rows])
+    view = images.take(rows) if isinstance(images, ShardedImages) else images[rows]
     return PreparedSplit(view, np.asarray(split.labels[rows]), split.classes)
 
 

@@ -185,6 +185,12 @@ class ShardedImages:
             out[order[a:b]] = self._rows(int(by_shard[a]), rows[a:b])
         return out
 
+    def take(self, rows: np.ndarray) -> ShardedImages:
+        """The given rows (indices, in order) as images of their own, read lazily from the same shards
+        with the same encoding (pickled with their row table: not a slice of the split's)."""
+        return ShardedImages(self.shards, self.where[np.asarray(rows, dtype=np.intp)], self.frame,
+                             encoding=self.encoding)
+
     def shard_of_each(self) -> np.ndarray:
         """Each image's shard number: what a shard-local shuffle groups by."""
         return np.asarray(self.where[:, 0])
