@@ -7,11 +7,21 @@ import pytest
 import torch
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.encoded import EncodedBatch, build_device_decoded_loader, gather_records
+from cnnpipe.data.encoded import DeviceDecode, EncodedBatch, build_device_decoded_loader, gather_records
 from cnnpipe.data.loaders import AugmentConfig, build_train_loader
 from cnnpipe.data.prepare import prepare
 from cnnpipe.data.store import open_split
+from cnnpipe.params import load_params, resolve
+from cnnpipe.profile.decision import tuned_settings
+from cnnpipe.profile.trials import Trial, candidates
+from cnnpipe.train import trainer
+from cnnpipe.train.distributed import DistInfo
+from cnnpipe.train.parts import build_training
+from cnnpipe.train.tuning import resolve_auto
+from conftest import tiny_params, write_params
 from test_jpeg_store import make_photos, psnr
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 LOADER = dict(batch_size=16, aug=AugmentConfig(24), mean=(0.5,) * 3, std=(0.25,) * 3, seed=3)
 
@@ -68,3 +78,80 @@ def test_nvjpeg_decoded_batches_match_the_cpu_path_on_cuda(jpeg_store):
         assert decoded.device.type == "cuda" and decoded.shape == images.shape
         assert psnr(decoded.cpu().numpy(), images.numpy()) > 40  # nvJPEG's IDCT is not libjpeg's, nearly
         assert device.device_transform(batch.to("cuda")).device.type == "cuda"
+
+
+def store_config(tmp_path, variant="optimized", **train):
+    """The tiny test params for the fixture's store (32 px colour), `train` applied."""
+    params = tiny_params(**{"epochs": 1, "batch_size": 16, "min_steps": None, **train})
+    params["data"].update(stored_size=32, image_size=24)
+    return resolve(load_params(write_params(tmp_path / "params.yaml", params)), variant)
+
+
+def test_train_decode_device_trains_from_the_stores_records(jpeg_store, tmp_path):
+    """`train.decode: device` builds the loader whose workers only gather records; its batches decode
+    to the CPU path's, and a run trains from them and says so in train.json."""
+    cfg = resolve_auto(store_config(tmp_path, decode="device"), CPU)
+    split = open_split(jpeg_store, "train")
+    parts = build_training(cfg, DistInfo(), split)
+    assert isinstance(parts.loader.device_transform, DeviceDecode)
+    on_cpu = build_training(cfg.with_train(decode="cpu"), DistInfo(), split)
+    assert not isinstance(on_cpu.loader.device_transform, DeviceDecode)
+    (batch, labels), (images, cpu_labels) = next(iter(parts.loader)), next(iter(on_cpu.loader))
+    assert isinstance(batch, EncodedBatch) and torch.equal(labels, cpu_labels)
+    assert torch.equal(parts.loader.device_transform.decode(batch), images)
+    summary = trainer.fit(cfg, DistInfo(), jpeg_store, tmp_path / "models", tmp_path / "train.json", tmp_path / "live")
+    assert summary["decode"] == "device" and summary["epochs"] == 1  # (a raw store's say `none`)
+    assert np.isfinite(summary["history"][0]["train_loss"])
+
+
+def test_train_decode_device_needs_a_jpeg_store_and_the_fast_loader(jpeg_store, tmp_path):
+    make_photos(tmp_path / "catalog", 0, 40, side=36)
+    raw = DataConfig(source=str(tmp_path / "catalog"), stored_size=32, prepare_workers=1, encoding="raw")
+    prepare(raw, 0, tmp_path / "p", tmp_path / "r.json")
+    cfg = resolve_auto(store_config(tmp_path, decode="device"), CPU)
+    with pytest.raises(ValueError, match=r"train.decode: device .* raw pixels \(data.encoding\)"):
+        build_training(cfg, DistInfo(), open_split(tmp_path / "p", "train"))
+    with pytest.raises(ValueError, match="train.decode: device .* train.loader is baseline"):
+        build_training(cfg.with_train(loader="baseline"), DistInfo(), open_split(jpeg_store, "train"))
+    with pytest.raises(ValueError, match="train.decode"):
+        store_config(tmp_path, decode="gpu")
+
+
+def test_the_profile_times_the_decodes_place_only_where_there_are_two(tmp_path):
+    requested = store_config(tmp_path, amp="off")  # decode: auto (amp set: no CUDA to ask about bf16 here)
+    cfg = resolve_auto(requested, CUDA)
+    assert cfg.train.decode == "cpu"  # the default until measured
+
+    def knobs(device, encoding, req=requested):
+        return dict(candidates(resolve_auto(req, device), req, device, [], encoding))
+
+    assert knobs(CUDA, "jpeg")["decode"] == {"decode": "device"}
+    assert "decode" not in knobs(CUDA, "raw")  # nothing to decode
+    assert "decode" not in knobs(CPU, "jpeg")  # one place to decode: the CPU
+    assert "decode" not in knobs(CUDA, "jpeg", store_config(tmp_path, amp="off", decode="cpu"))  # params chose
+    assert "decode" not in knobs(CUDA, "jpeg", store_config(tmp_path, amp="off", loader="baseline"))
+
+
+def test_a_measured_device_decode_is_kept_only_with_the_fast_loader(tmp_path):
+    requested = store_config(tmp_path, amp="off")
+    current = resolve_auto(requested, CUDA)
+    decode = Trial("decode", {"decode": "device"}, 1.3, (1.2, 1.4), win=True)
+    assert tuned_settings(requested, current, [decode])["decode"] == "device"
+    assert resolve_auto(requested, CUDA, {"decode": "device"}).train.decode == "device"
+    baseline = Trial("loader", {"loader": "baseline"}, 1.4, (1.3, 1.5), win=True)
+    assert tuned_settings(requested, current, [decode, baseline])["decode"] == "cpu"
+    assert resolve_auto(requested, CUDA, {"decode": "device", "loader": "baseline"}).train.decode == "cpu"
+
+
+def test_a_jpeg_split_is_sized_for_the_shuffle_by_its_records_not_its_pixels(jpeg_store):
+    """The page cache holds the records: a JPEG split that fits in memory as records is shuffled whole
+    even where its decoded pixels would not fit."""
+    from cnnpipe.data.loaders import shuffle_plan
+
+    split = open_split(jpeg_store, "train")
+    records = int(gather_records(split.images, np.arange(len(split)))[1][-1])
+    pixels = len(split) * int(np.prod(split.images.frame))
+    assert split.images.stored_bytes() == records < pixels / 2
+    assert shuffle_plan(split, 16, memory_bytes=2 * records + 2) == (None, 0)  # (raw would go shard-local)
+    shards, window = shuffle_plan(split, 16, memory_bytes=records)
+    assert np.array_equal(shards, split.images.shard_of_each()) and window >= 2

@@ -178,7 +178,7 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
         # a second doubling of the batch must also add min_gain over the first (batch_trials)
         second_doubling = trial["knob"] == "batch_size" and "more than batch" in trial["note"]
         assert trial["win"] == (paired_rule and not second_doubling), trial
-    assert set(result["tuned"]) == {"amp", "channels_last", "loader", "num_workers"}  # the `auto` knobs
+    assert set(result["tuned"]) == {"amp", "channels_last", "loader", "num_workers", "decode"}  # the `auto` knobs
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "optimized.json").write_text(json.dumps(result))
     report = write_report(tmp_path / "m", ["optimized"]).read_text()
@@ -190,7 +190,7 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
 
 
 def test_tuned_values_come_from_winning_trials_only(tmp_path):
-    requested = config(tmp_path)  # amp, channels_last, loader, num_workers at `auto`
+    requested = config(tmp_path)  # amp, channels_last, loader, num_workers, decode at `auto`
     current = resolve_auto(requested, torch.device("cpu"))
     trials = [Trial("channels_last", {"channels_last": False}, 1.30, (1.2, 1.4), win=True),
               Trial("loader", {"loader": "baseline"}, 1.04, (1.01, 1.06), win=False),
@@ -198,7 +198,8 @@ def test_tuned_values_come_from_winning_trials_only(tmp_path):
               Trial("num_workers", {"num_workers": 2}, 1.20, (1.1, 1.3), win=True),
               Trial("batch_size", {"batch_size": 64}, 2.0, (1.9, 2.1), win=True)]  # not an `auto` knob
     tuned = tuned_settings(requested, current, trials)
-    assert tuned == {"amp": current.train.amp, "channels_last": False, "loader": "fast", "num_workers": 2}
+    assert tuned == {"amp": current.train.amp, "channels_last": False, "loader": "fast", "num_workers": 2,
+                     "decode": "cpu"}
     # Two knobs changed and no combined trial measured them together: the plan gets no speed-up.
     assert tuned_speedup(current, tuned, trials, None) == 1.0
     combined = Trial("combined", {"channels_last": False, "num_workers": 2}, 1.5, (1.4, 1.6), win=True)

@@ -37,6 +37,7 @@ def test_fit_writes_checkpoints_and_the_metrics_contract(tmp_path, prepared, var
                 "world_size", "init", "gpu_util"):
         assert key in summary
     assert summary["epochs"] == 2 and summary["init"] == "random" and summary["world_size"] == 1
+    assert summary["decode"] == "none"  # a raw store: nothing decoded, wherever train.decode says
     assert json.loads((tmp_path / "train.json").read_text())["epochs"] == 2
     assert (tmp_path / "models" / "last.pt").exists() and (tmp_path / "models" / "best.pt").exists()
     assert (tmp_path / "live" / "plots" / "metrics" / "val" / "top1.tsv").exists()

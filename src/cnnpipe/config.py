@@ -198,6 +198,11 @@ class TrainConfig:
     `auto`: the profile's measured winner (default fast)."""
     num_workers: int | Literal["auto"] = "auto"
     """Loader worker processes; `auto` takes the profile's measured winner (default 0)."""
+    decode: Literal["cpu", "device", "auto"] = "auto"
+    """Where a JPEG store's images are decoded: `cpu` in the loader's workers, `device` on the training
+    device after the workers gather each batch's records (nvJPEG on CUDA; with the fast loader only);
+    `auto`: the profile's measured winner where both exist (CUDA and a JPEG store), else `cpu`. A
+    raw store has nothing to decode."""
     pin_memory: bool | Literal["auto"] = True
     """Page-locked loader batches (CUDA only); `auto` takes the profile's measured winner (default true)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

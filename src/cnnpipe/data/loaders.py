@@ -100,13 +100,14 @@ class ShardSampler(Sampler[list[int]]):
 
 def shuffle_plan(split: PreparedSplit, batch_size: int, world_size: int = 1,
                  memory_bytes: int | None = None) -> tuple[np.ndarray | None, int]:
-    """(each item's shard, window) for a shard-local shuffle when the split's pixels exceed half of
-    `memory_bytes` (default: this machine's RAM), where a full permutation reads a page from the disk
-    per image; (None, 0), a full permutation, otherwise. A window holds ~32 global batches."""
+    """(each item's shard, window) for a shard-local shuffle when the split's stored bytes (pixels,
+    or a JPEG store's records) exceed half of `memory_bytes` (default: this machine's RAM), where a
+    full permutation reads a page from the disk per image; (None, 0), a full permutation, otherwise.
+    A window holds ~32 global batches."""
     if not isinstance(split.images, ShardedImages):
         return None, 0
     memory_bytes = memory_bytes if memory_bytes is not None else psutil.virtual_memory().total
-    if len(split) * int(np.prod(split.images.frame)) <= memory_bytes // 2:
+    if split.images.stored_bytes() <= memory_bytes // 2:
         return None, 0
     shards = split.images.shard_of_each()
     per_shard = max(1, len(split) // max(1, len(np.unique(shards))))

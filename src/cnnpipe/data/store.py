@@ -39,23 +39,19 @@ row no split points at.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import itertools
 import json
-import os
 import resource
-import secrets
-import shutil
-import socket
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from cnnpipe.data import codec
+from cnnpipe.data.pins import pin_store
 
 FORMAT_VERSION = 2
 SPLITS = ("train", "val", "test")
@@ -81,6 +77,11 @@ def shard_files(index: dict[str, Any]) -> list[str]:
             for n in ([shard["name"], offsets_name(shard["name"])] if jpeg else [shard["name"]])]
 
 
+def reader_files(index: dict[str, Any]) -> list[str]:
+    """What a reader of the store pins besides index.json: each split's rows and labels, the shards."""
+    return [f"{split}_{kind}.npy" for split in index["splits"] for kind in ("rows", "labels")] + shard_files(index)
+
+
 def read_offsets(path: Path) -> np.ndarray:
     """A JPEG shard's (rows + 1,) offsets, as int64."""
     return np.fromfile(path, dtype=OFFSET_DTYPE).astype(np.int64)
@@ -102,6 +103,18 @@ def max_open_shards() -> int:
     images has thousands of shards, so a fixed share of the descriptors this process may open."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return int(max(8, min(128, soft // 8)))
+
+
+def by_shard(where: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(shard, positions in `where`, rows in that shard) for each shard `where`'s (shard, row) pairs
+    touch. One sort groups them: a batch from a catalog of thousands of shards touches up to one shard
+    per image, and a mask per shard would cost batch x shards."""
+    order = np.argsort(where[:, 0], kind="stable")
+    shards, rows = where[order, 0], where[order, 1]
+    bounds = [0, *(np.flatnonzero(shards[1:] != shards[:-1]) + 1).tolist(), len(order)]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            yield int(shards[a]), order[a:b], rows[a:b]
 
 
 class ShardedImages:
@@ -172,17 +185,11 @@ class ShardedImages:
         where = self.where[key if key.dtype == bool else key.astype(np.intp)]
         if not len(where):
             return np.empty((0, *self.frame), dtype=np.uint8)
-        shards = where[:, 0]
-        if (shards == shards[0]).all():  # the common case: one shard, one gather
-            return self._rows(int(shards[0]), where[:, 1])
-        # Group the rows by shard with one sort: a batch from a catalog of thousands of shards
-        # touches up to one shard per image, and a mask per shard would cost batch x shards.
-        order = np.argsort(shards, kind="stable")
-        by_shard, rows = shards[order], where[order, 1]
-        bounds = np.flatnonzero(by_shard[1:] != by_shard[:-1]) + 1
+        if (where[:, 0] == where[0, 0]).all():  # the common case: one shard, one gather
+            return self._rows(int(where[0, 0]), where[:, 1])
         out = np.empty((len(where), *self.frame), dtype=np.uint8)
-        for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(order)]):
-            out[order[a:b]] = self._rows(int(by_shard[a]), rows[a:b])
+        for shard, positions, rows in by_shard(where):
+            out[positions] = self._rows(shard, rows)
         return out
 
     def take(self, rows: np.ndarray) -> ShardedImages:
@@ -190,6 +197,17 @@ class ShardedImages:
         with the same encoding (pickled with their row table: not a slice of the split's)."""
         return ShardedImages(self.shards, self.where[np.asarray(rows, dtype=np.intp)], self.frame,
                              encoding=self.encoding)
+
+    def stored_bytes(self) -> int:
+        """What these rows weigh in their shards, hence in the page cache: raw frames, or a JPEG
+        store's records (a tenth of the pixels at 224 px)."""
+        if self.encoding != "jpeg":
+            return len(self) * int(np.prod(self.frame))
+        total = 0
+        for shard, _, rows in by_shard(np.asarray(self.where)):
+            offsets = self._map(shard)[1]
+            total += int(np.sum(offsets[rows + 1] - offsets[rows]))
+        return total
 
     def shard_of_each(self) -> np.ndarray:
         """Each image's shard number: what a shard-local shuffle groups by."""
@@ -251,65 +269,6 @@ def shard_paths(prepared_dir: Path, index: dict[str, Any]) -> list[Path]:
     return [Path(prepared_dir) / SHARDS / shard["name"] for shard in index["shards"]]
 
 
-# --------------------------------------------------------------------------- pins
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        pass
-    return True
-
-
-def _remove_stale_pins(readers: Path) -> None:
-    """Pins of this machine's processes that are gone (killed before their clean-up ran)."""
-    host = socket.gethostname()
-    for pin in readers.glob(f"{host}-*") if readers.is_dir() else []:
-        pid = pin.name[len(host) + 1 :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(pin, ignore_errors=True)
-
-
-_PINS: dict[tuple[str, int, int], Path] = {}
-
-
-def pin_store(prepared_dir: Path) -> Path:
-    """A folder of hard links to every file a reader needs of the store as it is now, kept until this
-    process exits: a prepare that swaps in an update (or a `dvc repro` that removes the store first)
-    unlinks names, never the files this run reads, so a run keeps reading the store it started with.
-    Returns the store itself where links are impossible (a read-only or foreign filesystem)."""
-    prepared_dir = Path(prepared_dir).resolve()
-    index_path = prepared_dir / "index.json"
-    readers = prepared_dir.with_name(prepared_dir.name + ".readers")
-    for _ in range(5):  # an update swapped in while we linked: start again
-        st = index_path.stat()
-        key = (str(prepared_dir), st.st_ino, st.st_mtime_ns)
-        if key in _PINS and _PINS[key].is_dir():
-            return _PINS[key]
-        pin = readers / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            _remove_stale_pins(readers)
-            (pin / SHARDS).mkdir(parents=True)
-            os.link(index_path, pin / "index.json")
-            index = json.loads((pin / "index.json").read_text(encoding="utf-8"))
-            names = [f"{split}_{kind}.npy" for split in index["splits"] for kind in ("rows", "labels")]
-            names += shard_files(index)
-            for name in names:
-                os.link(prepared_dir / name, pin / name)
-        except OSError:
-            shutil.rmtree(pin, ignore_errors=True)
-            if os.path.samestat(st, index_path.stat()):
-                return prepared_dir  # links are not possible here: read the store in place
-            continue
-        if os.path.samestat(os.stat(pin / "index.json"), index_path.stat()):
-            atexit.register(shutil.rmtree, pin, True)
-            _PINS[key] = pin
-            return pin
-        shutil.rmtree(pin, ignore_errors=True)
-    return prepared_dir
-
-
 def _mapped(path: Path) -> np.ndarray:
     """A .npy file memory-mapped (shared through the page cache, never a copy per process), as a plain
     ndarray view: indexing the memmap subclass costs microseconds a call."""
@@ -348,7 +307,7 @@ def open_split(prepared_dir: Path, split: str, limit: int | None = None) -> Prep
     """Open `split` of a prepared directory, pinned (`pin_store`); `limit` keeps the first N images."""
     prepared_dir = Path(prepared_dir)
     read_index(prepared_dir)  # a missing or outdated store: the error says what to run
-    folder = pin_store(prepared_dir)
+    folder = pin_store(prepared_dir, reader_files)
     index = read_index(folder)
     frame = (index["size"], index["size"], index["channels"])
     for shard, path in zip(index["shards"], shard_paths(folder, index)):

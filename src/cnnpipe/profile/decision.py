@@ -17,6 +17,8 @@ def tuned_settings(requested: VariantConfig, current: VariantConfig, results: li
         wins = [t for t in results if t.knob == knob and t.win]
         if wins:
             tuned[knob] = max(wins, key=lambda t: t.speedup).change[knob]
+    if tuned.get("decode") == "device" and tuned.get("loader", current.train.loader) != "fast":
+        tuned["decode"] = "cpu"  # (the device decode feeds the fast loader only)
     return tuned
 
 

@@ -33,7 +33,7 @@ from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
 from cnnpipe.train.distributed import DistInfo, unwrap
 from cnnpipe.train.engine import Spans, StepContext, forward_times, micro_step, no_region, sync_device
-from cnnpipe.train.parts import build_training, step_context
+from cnnpipe.train.parts import build_training, step_context, store_encoding
 from cnnpipe.train.tuning import resolve_auto
 
 INFERENCE_BATCH = 256  # evaluation's batch
@@ -92,6 +92,8 @@ class Setup:
     images_per_step: int
     steps_per_epoch: int
     in_chans: int
+    encoding: str = "raw"
+    """The store's (`raw` or `jpeg`): whether there is a decode to place."""
     step: int = 0
     _iter: Iterator | None = None
     _epoch: int = 0
@@ -119,7 +121,8 @@ def build_setup(cfg: VariantConfig, info: DistInfo, prepared_dir: Path) -> Setup
     parts = build_training(cfg, info, open_split(prepared_dir, "train"))
     ctx, _ = step_context(cfg, parts, info, parts.schedule)
     ctx.model.train()
-    return Setup(cfg, ctx, parts.loader, parts.global_batch, parts.steps_per_epoch, parts.split.channels)
+    return Setup(cfg, ctx, parts.loader, parts.global_batch, parts.steps_per_epoch, parts.split.channels,
+                 store_encoding(parts.split))
 
 
 def train_step(s: Setup, timer: RegionTimer | None = None, limit: int | None = None) -> None:

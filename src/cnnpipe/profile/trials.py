@@ -57,6 +57,11 @@ class TrialContext:
     base: Setup
     clock: TrialClock
 
+    @property
+    def encoding(self) -> str:
+        """The store's encoding (`raw` without a base setup)."""
+        return self.base.encoding if self.base is not None else "raw"
+
     def at(self, base: Setup) -> TrialContext:
         """The same trials measured against `base` instead, at its config (another batch)."""
         return dataclasses.replace(self, cfg=base.cfg, base=base)
@@ -121,12 +126,14 @@ def paired_trial(knob: str, change: dict[str, Any], current: Setup, candidate: S
 
 
 def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.device,
-               recommended: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+               recommended: Sequence[str], encoding: str = "raw") -> list[tuple[str, dict[str, Any]]]:
     """(knob, change) pairs to measure: every `auto` knob, plus the knobs the diagnosis points at.
 
     amp, channels_last and the loader are always measured (cheap, and the report shows each one's
-    gain over its hand setting); workers, pin_memory and compile only when asked for. The knobs in
-    `recommended` (the diagnosis's, bottleneck first) come first, in its order.
+    gain over its hand setting); workers, pin_memory and compile only when asked for; the decode's
+    place when `auto` on CUDA with a JPEG store (`encoding`) and the fast loader, the one case with
+    two places to decode. The knobs in `recommended` (the diagnosis's, bottleneck first) come first,
+    in its order.
     """
     t, auto, asked = cfg.train, set(auto_knobs(requested)), set(recommended)
     out: list[tuple[str, dict[str, Any]]] = []
@@ -144,6 +151,8 @@ def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.devic
         # CUDA graphs (reduce-overhead) are what helps a launch-bound GPU step; the CPU has none
         modes = ["default"] + (["reduce-overhead"] if device.type == "cuda" else [])
         out += [("compile", {"compile": m}) for m in modes]
+    if "decode" in auto and device.type == "cuda" and encoding == "jpeg" and t.loader == "fast":
+        out.append(("decode", {"decode": "cpu" if t.decode == "device" else "device"}))
     # the diagnosis's picks first: when the window is short, they are the trials that get measured
     rank = {knob: i for i, knob in enumerate(recommended)}
     return sorted(out, key=lambda kc: rank.get(kc[0], len(rank)))
@@ -166,7 +175,7 @@ def run_trials(ctx: TrialContext, recommended: Sequence[str], grow_batch: bool =
     """Measure each candidate against the base, then grow the batch while it pays (`grow_batch`); a
     candidate whose turn comes when the clock has no room for another trial is noted, not timed."""
     p, clock, results = ctx.cfg.profile, ctx.clock, []
-    for knob, change in candidates(ctx.cfg, ctx.requested, ctx.info.device, recommended):
+    for knob, change in candidates(ctx.cfg, ctx.requested, ctx.info.device, recommended, ctx.encoding):
         if clock.out_of_time(COMPILE_S if knob == "compile" else 0.0):
             reason = OUT_OF_TIME
         else:  # `profile.trial_ruled_out` times what the hardware rules out too

@@ -16,6 +16,7 @@ from timm.optim import create_optimizer_v2
 from torch.nn.parallel import DistributedDataParallel
 
 from cnnpipe.config import VariantConfig
+from cnnpipe.data.encoded import build_device_decoded_loader
 from cnnpipe.data.loaders import AugmentConfig, TrainLoader, build_train_loader
 from cnnpipe.data.store import PreparedSplit
 from cnnpipe.hardware import usable_cores
@@ -75,6 +76,37 @@ def build_optimizer(model: torch.nn.Module, cfg: VariantConfig, lr: float,
     return create_optimizer_v2(model, opt=name, lr=lr, weight_decay=t.weight_decay, **kwargs)
 
 
+def store_encoding(split: PreparedSplit) -> str:
+    """How the split's store keeps its images: `raw` or `jpeg`."""
+    return getattr(split.images, "encoding", "raw")
+
+
+def decode_place(cfg: VariantConfig, split: PreparedSplit) -> str:
+    """Where this run decodes its images, as train.json says it: `train.decode`, or `none` (a raw store)."""
+    return cfg.train.decode if store_encoding(split) == "jpeg" else "none"
+
+
+def build_loader(cfg: VariantConfig, info: DistInfo, split: PreparedSplit, aug: AugmentConfig,
+                 mean: tuple[float, ...], std: tuple[float, ...]) -> TrainLoader:
+    """This rank's training loader: `train.loader`'s, or with `train.decode: device` the fast loader
+    whose workers only gather a JPEG store's records, decoded on the training device."""
+    t = cfg.train
+    common = dict(batch_size=t.batch_size, aug=aug, mean=mean, std=std, seed=cfg.seed, rank=info.rank,
+                  world_size=info.world_size, num_workers=t.num_workers, pin_memory=t.pin_memory,
+                  channels_last=t.channels_last, images_per_epoch=t.images_per_epoch,
+                  local_ranks=local_world_size(info))
+    if t.decode != "device":
+        return build_train_loader(split, kind=t.loader, **common)
+    if store_encoding(split) != "jpeg":
+        raise ValueError("train.decode: device decodes a JPEG store's records on the training device, and this "
+                         "store keeps raw pixels (data.encoding): set train.decode: auto or cpu, or "
+                         "data.encoding: jpeg")
+    if t.loader != "fast":
+        raise ValueError(f"train.decode: device feeds the fast loader's device transform, and train.loader is "
+                         f"{t.loader}: set train.loader: fast (or auto), or train.decode: cpu")
+    return build_device_decoded_loader(split, **common)
+
+
 @dataclass
 class TrainingParts:
     """What a training step needs, built once from a config (used by `fit` and the profiler)."""
@@ -102,10 +134,7 @@ def build_training(cfg: VariantConfig, info: DistInfo, split: PreparedSplit,
     mean, std = model_mean_std(model, split.channels)
     amp = resolve_amp(t.amp, info.device)
     aug = AugmentConfig(cfg.data.image_size, scale=(t.crop_scale_min, 1.0), hflip=t.hflip)
-    loader = build_train_loader(
-        split, kind=t.loader, batch_size=t.batch_size, aug=aug, mean=mean, std=std, seed=cfg.seed,
-        rank=info.rank, world_size=info.world_size, num_workers=t.num_workers, pin_memory=t.pin_memory,
-        channels_last=t.channels_last, images_per_epoch=t.images_per_epoch, local_ranks=local_world_size(info))
+    loader = build_loader(cfg, info, split, aug, mean, std)
     if len(loader) < t.accum_steps:
         raise ValueError(f"train.accum_steps={t.accum_steps} exceeds the {len(loader)} batches per epoch")
     global_batch = t.batch_size * info.world_size * t.accum_steps

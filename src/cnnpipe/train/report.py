@@ -11,7 +11,7 @@ from cnnpipe.config import VariantConfig
 from cnnpipe.hardware import cpu_report
 from cnnpipe.monitor import peak_mem_mb
 from cnnpipe.train.distributed import DistInfo, all_reduce_max, all_reduce_sum
-from cnnpipe.train.parts import TrainingParts
+from cnnpipe.train.parts import TrainingParts, decode_place
 from cnnpipe.train.precision import math_mode
 
 LIVE_KEYS = {"train/loss": "train_loss", "val/top1": "val_top1", "val/loss": "val_loss", "lr": "lr",
@@ -57,8 +57,8 @@ def announce(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, threads: 
     t = cfg.train
     print(f"train[{cfg.variant}]: {cfg.model.name} init={parts.init.source} device={info.device} "
           f"x{info.world_size} image_size={cfg.data.image_size} amp={parts.amp} channels_last={t.channels_last} "
-          f"compile={t.compile} "
-          f"epochs={t.epochs} loader={t.loader} batch={parts.global_batch}{f' ({note})' if note else ''} "
+          f"compile={t.compile} epochs={t.epochs} loader={t.loader} decode={decode_place(cfg, parts.split)} "
+          f"batch={parts.global_batch}{f' ({note})' if note else ''} "
           f"peak_lr={parts.schedule.peak_lr:.4g} images/epoch={parts.loader.sampler.n} "
           f"steps/epoch={parts.steps_per_epoch} threads={threads}", flush=True)
 

@@ -24,7 +24,7 @@ from cnnpipe.train.distributed import DistInfo, check_same_settings, local_world
 from cnnpipe.train.ema import ModelEma, decay_for_run
 from cnnpipe.train.engine import evaluate_top1, train_one_epoch
 from cnnpipe.train.pacing import Pacer, save_checkpoints
-from cnnpipe.train.parts import build_training, seed_everything, set_threads, step_context
+from cnnpipe.train.parts import build_training, decode_place, seed_everything, set_threads, step_context
 from cnnpipe.train.recipe import input_recipe
 from cnnpipe.train.report import Live, announce, batch_note, epoch_record, report_epoch, run_summary
 from cnnpipe.train.resume import resume
@@ -120,7 +120,8 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
                           parts.schedule.peak_lr, threads, progress.resumed_from, gpu_util,
                           time.perf_counter() - t_start)
     recipe = input_recipe(cfg.data, train_split.channels, parts.mean, parts.std)  # what serving must apply
-    summary.update(epochs_planned=t.epochs, stopped_early=progress.stopped_early,
+    summary.update(decode=decode_place(cfg, train_split), epochs_planned=t.epochs,
+                   stopped_early=progress.stopped_early,
                    ema_decay=ema.decay if ema is not None else None,
                    optimizer_steps=parts.schedule.total_steps, batch_note=note, val_images=len(val_split),
                    calibration=calibrate_best(model_dir, val_kept, info.device, recipe),

@@ -25,7 +25,7 @@ between kernels), which shows none of what the recipes differ in; at 224 px the 
 and channels_last decide the speed (on an H200: the batched loader 1.83x over per-sample PIL,
 channels_last 1.93x in bf16; docs/benchmarks.md)."""
 
-TUNABLE = ("amp", "channels_last", "loader", "num_workers", "pin_memory", "compile")
+TUNABLE = ("amp", "channels_last", "loader", "num_workers", "pin_memory", "compile", "decode")
 
 
 def auto_knobs(cfg: VariantConfig) -> list[str]:
@@ -35,8 +35,10 @@ def auto_knobs(cfg: VariantConfig) -> list[str]:
 
 def default_for(knob: str, device: torch.device) -> Any:
     """What `auto` means when no measurement is available."""
-    defaults = {"amp": resolve_amp("auto", device), "channels_last": True, "loader": "fast", "num_workers": 0,
-                "pin_memory": True, "compile": "off"}
+    if knob == "amp":  # (asks the device: only when amp is the knob)
+        return resolve_amp("auto", device)
+    defaults = {"channels_last": True, "loader": "fast", "num_workers": 0, "pin_memory": True, "compile": "off",
+                "decode": "cpu"}
     return defaults[knob]
 
 
@@ -65,5 +67,7 @@ def resolve_auto(cfg: VariantConfig, device: torch.device, tuned: dict[str, Any]
     changes.update({k: v for k, v in at_batch.items() if k in changes})
     if "amp" in changes:
         changes["amp"] = resolve_amp(changes["amp"], device)
+    if changes.get("decode") == "device" and changes.get("loader", cfg.train.loader) != "fast":
+        changes["decode"] = "cpu"  # decoding on the device feeds the fast loader's device transform only
     data = dataclasses.replace(cfg.data, image_size=image_size_for(cfg.data, device))
     return dataclasses.replace(cfg.with_train(**changes), data=data)
