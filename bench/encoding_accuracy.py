@@ -36,19 +36,15 @@ from cnnpipe.evaluate.stats import wilson_interval
 from cnnpipe.hardware import cpu_report
 from cnnpipe.release.stats import mcnemar_p, newcombe_interval, paired_counts
 
-ROOT = Path(__file__).resolve().parents[1]
-PROJECT_FILES = ("dvc.yaml", "params.yaml", "stages", "src", "pyproject.toml", "weights/README.md")
+sys.path.insert(0, str(Path(__file__).parent))
+from project_copy import ROOT, copy_project  # noqa: E402  (a sibling bench script)
+
 ENCODINGS = ("raw", "jpeg")
 
 
 def make_project(project: Path, args: argparse.Namespace) -> None:
     """A copy of the project's code and params, set for a fixed-length run with no budget."""
-    shutil.rmtree(project, ignore_errors=True)
-    for item in PROJECT_FILES:
-        src, dst = ROOT / item, project / item
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        (shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-         if src.is_dir() else shutil.copy2(src, dst))
+    copy_project(project)
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["run"]["budget_minutes"] = None
     params["seed"] = args.seed

@@ -42,9 +42,9 @@ from cnnpipe.evaluate.stats import mcnemar_exact
 from cnnpipe.hardware import cpu_report
 from cnnpipe.plan.plan import KEEP_BAND
 
-ROOT = Path(__file__).resolve().parents[1]
-PROJECT_FILES = ("dvc.yaml", "params.yaml", "stages", "src", ".dvcignore", "pyproject.toml", ".gitignore",
-                 "weights/README.md", "data/raw/README.md")
+sys.path.insert(0, str(Path(__file__).parent))
+from project_copy import copy_project  # noqa: E402  (a sibling bench script)
+
 PHOTO_SETS = {"photos212": (2, {"train": 106, "val": 24, "test": 200}),
               "photos1000": (4, {"train": 250, "val": 25, "test": 100})}
 """name: (classes, photos per class in each split folder)."""
@@ -80,13 +80,7 @@ def make_photo_set(out: Path, classes: int, per_split: dict[str, int], seed: int
 
 def make_project(work: Path, name: str, arm: str, args: argparse.Namespace) -> Path:
     """A git + DVC copy of the project set up for data set `name` and `train.epochs: arm`."""
-    project = work / f"{name}-{arm}"
-    shutil.rmtree(project, ignore_errors=True)
-    for item in PROJECT_FILES:
-        src, dst = ROOT / item, project / item
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        (shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-         if src.is_dir() else shutil.copy2(src, dst))
+    project = copy_project(work / f"{name}-{arm}")
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["run"]["budget_minutes"] = args.budget
     params["train"]["epochs"] = arm if arm == "auto" else int(arm)

@@ -27,9 +27,8 @@ import numpy as np
 import yaml
 from PIL import Image, ImageDraw
 
-ROOT = Path(__file__).resolve().parents[1]
-PROJECT_FILES = ("dvc.yaml", "params.yaml", "stages", "src", ".dvcignore", "pyproject.toml", ".gitignore",
-                 "weights/README.md", "data/raw/README.md")
+sys.path.insert(0, str(Path(__file__).parent))
+from project_copy import copy_project  # noqa: E402  (a sibling bench script)
 
 
 def make_photos(out: Path, classes: int, per_class: int, seed: int = 0) -> None:
@@ -71,13 +70,7 @@ def main() -> int:
     work = args.dir or Path(tempfile.mkdtemp(prefix="own_images_"))
     project = work / "project"
     try:
-        if project.exists():
-            shutil.rmtree(project)
-        for name in PROJECT_FILES:
-            src, dst = ROOT / name, project / name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            (shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-             if src.is_dir() else shutil.copy2(src, dst))
+        copy_project(project)
         make_photos(work / "photos", args.classes, args.per_class)
         shutil.copytree(work / "photos", project / "data" / "raw" / "products")
         params = yaml.safe_load((project / "params.yaml").read_text())

@@ -42,7 +42,9 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from cnnpipe.data.ingest import usable_cores
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from project_copy import copy_project  # noqa: E402  (a sibling bench script)
+
 PROJECT_FILES = ("dvc.yaml", "params.yaml", "stages", "src", ".dvc/config", ".dvcignore", ".gitignore")
 
 # Run in a fresh process: the command given, with a watcher that samples the peak RSS (VmHWM) of the
@@ -158,14 +160,7 @@ def store_bytes(project: Path) -> int:
 
 def make_project(project: Path, args: argparse.Namespace) -> None:
     """A git + DVC copy of the project whose data.source is data/raw/catalog."""
-    shutil.rmtree(project, ignore_errors=True)
-    for name in PROJECT_FILES:
-        src, dst = ROOT / name, project / name
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(src, dst)
+    copy_project(project, PROJECT_FILES)
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["data"].update(source="data/raw/catalog", stored_size=args.stored_size, image_size=args.stored_size,
                           shard_mb=args.shard_mb, prepare_workers=args.workers)

@@ -114,7 +114,9 @@ def build_device_decoded_loader(split: PreparedSplit, *, batch_size: int, aug: A
     sampler (so the same images in the same batches) and the same device transform after the decode
     as `loaders.build_train_loader(kind="fast")`."""
     if not isinstance(split.images, ShardedImages) or split.images.encoding != "jpeg":
-        raise ValueError("decoding on the device needs a split of a JPEG store (data.encoding: jpeg)")
+        raise ValueError("train.decode: device decodes a JPEG store's records on the training device, and this "
+                         "store keeps raw pixels (data.encoding): set train.decode: auto or cpu, or "
+                         "data.encoding: jpeg")
     pin_memory = pin_memory and torch.cuda.is_available()
     per_epoch = len(split) if images_per_epoch is None else min(len(split), images_per_epoch)
     if per_epoch // world_size < batch_size:

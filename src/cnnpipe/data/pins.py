@@ -54,8 +54,10 @@ def pin_store(prepared_dir: Path, files: Callable[[dict[str, Any]], list[str]]) 
             _remove_stale_pins(readers)
             pin.mkdir(parents=True)
             os.link(index_path, pin / "index.json")
-            for name in files(json.loads((pin / "index.json").read_text(encoding="utf-8"))):
-                (pin / name).parent.mkdir(parents=True, exist_ok=True)
+            names = files(json.loads((pin / "index.json").read_text(encoding="utf-8")))
+            for folder in {(pin / name).parent for name in names}:
+                folder.mkdir(parents=True, exist_ok=True)
+            for name in names:
                 os.link(prepared_dir / name, pin / name)
         except OSError:
             shutil.rmtree(pin, ignore_errors=True)

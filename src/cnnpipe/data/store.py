@@ -249,6 +249,11 @@ class PreparedSplit:
     def channels(self) -> int:
         return int(self.images.shape[-1])
 
+    @property
+    def encoding(self) -> str:
+        """How its store keeps the images: `raw` or `jpeg` (an in-memory array: raw)."""
+        return getattr(self.images, "encoding", "raw")
+
     def __len__(self) -> int:
         return len(self.labels)
 

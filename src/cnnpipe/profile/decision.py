@@ -7,7 +7,7 @@ from typing import Any
 from cnnpipe.config import VariantConfig
 from cnnpipe.profile.clock import OUT_OF_TIME
 from cnnpipe.profile.trials import Trial, TrialContext
-from cnnpipe.train.tuning import auto_knobs
+from cnnpipe.train.tuning import auto_knobs, decode_for_loader
 
 
 def tuned_settings(requested: VariantConfig, current: VariantConfig, results: list[Trial]) -> dict[str, Any]:
@@ -17,8 +17,8 @@ def tuned_settings(requested: VariantConfig, current: VariantConfig, results: li
         wins = [t for t in results if t.knob == knob and t.win]
         if wins:
             tuned[knob] = max(wins, key=lambda t: t.speedup).change[knob]
-    if tuned.get("decode") == "device" and tuned.get("loader", current.train.loader) != "fast":
-        tuned["decode"] = "cpu"  # (the device decode feeds the fast loader only)
+    if "decode" in tuned:
+        tuned["decode"] = decode_for_loader(tuned["decode"], tuned.get("loader", current.train.loader))
     return tuned
 
 

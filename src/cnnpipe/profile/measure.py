@@ -33,7 +33,7 @@ from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
 from cnnpipe.train.distributed import DistInfo, unwrap
 from cnnpipe.train.engine import Spans, StepContext, forward_times, micro_step, no_region, sync_device
-from cnnpipe.train.parts import build_training, step_context, store_encoding
+from cnnpipe.train.parts import build_training, step_context
 from cnnpipe.train.tuning import resolve_auto
 
 INFERENCE_BATCH = 256  # evaluation's batch
@@ -122,7 +122,7 @@ def build_setup(cfg: VariantConfig, info: DistInfo, prepared_dir: Path) -> Setup
     ctx, _ = step_context(cfg, parts, info, parts.schedule)
     ctx.model.train()
     return Setup(cfg, ctx, parts.loader, parts.global_batch, parts.steps_per_epoch, parts.split.channels,
-                 store_encoding(parts.split))
+                 parts.split.encoding)
 
 
 def train_step(s: Setup, timer: RegionTimer | None = None, limit: int | None = None) -> None:

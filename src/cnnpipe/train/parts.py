@@ -76,14 +76,9 @@ def build_optimizer(model: torch.nn.Module, cfg: VariantConfig, lr: float,
     return create_optimizer_v2(model, opt=name, lr=lr, weight_decay=t.weight_decay, **kwargs)
 
 
-def store_encoding(split: PreparedSplit) -> str:
-    """How the split's store keeps its images: `raw` or `jpeg`."""
-    return getattr(split.images, "encoding", "raw")
-
-
 def decode_place(cfg: VariantConfig, split: PreparedSplit) -> str:
     """Where this run decodes its images, as train.json says it: `train.decode`, or `none` (a raw store)."""
-    return cfg.train.decode if store_encoding(split) == "jpeg" else "none"
+    return cfg.train.decode if split.encoding == "jpeg" else "none"
 
 
 def build_loader(cfg: VariantConfig, info: DistInfo, split: PreparedSplit, aug: AugmentConfig,
@@ -97,10 +92,6 @@ def build_loader(cfg: VariantConfig, info: DistInfo, split: PreparedSplit, aug: 
                   local_ranks=local_world_size(info))
     if t.decode != "device":
         return build_train_loader(split, kind=t.loader, **common)
-    if store_encoding(split) != "jpeg":
-        raise ValueError("train.decode: device decodes a JPEG store's records on the training device, and this "
-                         "store keeps raw pixels (data.encoding): set train.decode: auto or cpu, or "
-                         "data.encoding: jpeg")
     if t.loader != "fast":
         raise ValueError(f"train.decode: device feeds the fast loader's device transform, and train.loader is "
                          f"{t.loader}: set train.loader: fast (or auto), or train.decode: cpu")

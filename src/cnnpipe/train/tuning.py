@@ -42,6 +42,12 @@ def default_for(knob: str, device: torch.device) -> Any:
     return defaults[knob]
 
 
+def decode_for_loader(decode: str, loader: str) -> str:
+    """`train.decode` as it can run with `loader`: the device decode feeds the fast loader's device
+    transform only, so with another loader a measured `device` becomes `cpu`."""
+    return "cpu" if decode == "device" and loader != "fast" else decode
+
+
 def read_tuned(path: Path | None) -> dict[str, Any]:
     """The tuned values file (empty when absent)."""
     return read_yaml_mapping(path, "expected a mapping of train keys to values; rerun `dvc repro profile`")
@@ -67,7 +73,7 @@ def resolve_auto(cfg: VariantConfig, device: torch.device, tuned: dict[str, Any]
     changes.update({k: v for k, v in at_batch.items() if k in changes})
     if "amp" in changes:
         changes["amp"] = resolve_amp(changes["amp"], device)
-    if changes.get("decode") == "device" and changes.get("loader", cfg.train.loader) != "fast":
-        changes["decode"] = "cpu"  # decoding on the device feeds the fast loader's device transform only
+    if "decode" in changes:
+        changes["decode"] = decode_for_loader(changes["decode"], changes.get("loader", cfg.train.loader))
     data = dataclasses.replace(cfg.data, image_size=image_size_for(cfg.data, device))
     return dataclasses.replace(cfg.with_train(**changes), data=data)
