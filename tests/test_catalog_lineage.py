@@ -3,6 +3,7 @@ catalog starts a new ledger (said in one line), the same one (or the same files 
 advice that works there (no DVC remote: said first), and a leftover reset name redraws nothing."""
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def test_a_clone_whose_lock_records_another_catalogs_ledger_starts_a_new_one_and
 def test_the_same_catalog_refuses_and_says_first_that_no_dvc_remote_is_configured(tmp_path):
     project = _project(tmp_path)
     root = _catalog(tmp_path / "catalog")
-    _lock(project, str(root))
+    _lock(project, os.path.relpath(root, project) + "/")  # the same folder, written another way
     cfg = DataConfig(source=str(root), stored_size=8, image_size=8, prepare_workers=1)
     with pytest.raises(DataError) as err:
         _prepare(project, cfg)

@@ -117,19 +117,30 @@ def _kind(source: str) -> str:
     return "manifest" if Path(source).suffix.lower() in (".csv", ".tsv") else "imagefolder"
 
 
+def _same_source(a: str, b: str, root: Path) -> bool:
+    """Whether two `data.source` values name one source: the same words, or the same path once
+    normalised against the project (`./data/raw/x/` and an absolute path to it are one folder)."""
+    if a == b:
+        return True
+    if "fashion-mnist" in (a, b):
+        return False
+    return os.path.realpath(root / os.path.expanduser(a)) == os.path.realpath(root / os.path.expanduser(b))
+
+
 def another_catalog(recorded: Recorded | None, today: dict[str, Any]) -> str | None:
     """Why the recorded ledger belongs to another catalog than `today`'s (one line), or None when it
     is the same catalog or that cannot be told (then its ledger is required)."""
     if recorded is None or recorded.identity is None:
         return None
     was = recorded.identity
-    if was.get("kind") == today["kind"] and was.get("source") == today["source"]:
+    if _same_source(str(was.get("source")), today["source"], recorded.root):
         return None
     overlap = path_overlap(was, today)
     if overlap is not None and overlap >= SAME_CATALOG_OVERLAP:
         return None  # the same files under another name: moved, not replaced
     shared = "" if overlap is None else f", ~{overlap:.0%} of its file paths shared"
-    return f"the recorded split ledger was drawn for {was['kind']} {was['source']!r}, not {today['source']!r}{shared}"
+    drawn_for = was["source"] if was.get("kind") == was["source"] else f"{was.get('kind')} {was['source']!r}"
+    return f"the recorded split ledger was drawn for {drawn_for}, not {today['source']!r}{shared}"
 
 
 def dvc_remotes(root: Path) -> tuple[list[str], str | None]:
