@@ -37,7 +37,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if about["version"] is None:
-        print(f"champion: {about['reason']}")
+        print(f"champion: {about['reason']}" + (f" ({about['told']})" if about.get("told") else ""))
     else:
         print(f"champion: {about['artifact']} {about['version']} in {about['stage']} "
               f"(commit {about['commit'][:12]}, {about['tag']})")
