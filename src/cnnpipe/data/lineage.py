@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import yaml
 
-from cnnpipe.data.keys import path_keys
 from cnnpipe.data.previous import Found, dvc_root
 
 SKETCH_SIZE = 256
@@ -37,13 +36,14 @@ SAME_CATALOG_OVERLAP = 0.05
 same catalog (moved, grown, pruned): its ledger is required."""
 
 
-def catalog_identity(kind: str, source: str, paths: list[str] | None) -> dict[str, Any]:
+def catalog_identity(kind: str, source: str, keys: np.ndarray | None) -> dict[str, Any]:
     """What a ledger records of the catalog it was drawn for: its kind and source, and for image files
-    the number of files and a bottom-k sketch of their path keys (hex)."""
+    the number of files and a bottom-k sketch of their path keys (`keys.path_key`, as hex)."""
     identity: dict[str, Any] = {"kind": kind, "source": source}
-    if paths is not None:
-        keys = np.unique(path_keys(paths))[:SKETCH_SIZE]
-        identity.update(files=len(paths), sketch=[f"{int(k):016x}" for k in keys])
+    if keys is not None:
+        keys = np.asarray(keys, dtype=np.uint64)  # one per file: a listing names each path once
+        smallest = np.unique(np.partition(keys, SKETCH_SIZE - 1)[:SKETCH_SIZE] if len(keys) > SKETCH_SIZE else keys)
+        identity.update(files=len(keys), sketch=[f"{int(k):016x}" for k in smallest])
     return identity
 
 

@@ -59,7 +59,8 @@ def download(repo: str, path: str, commit: str, out: Path) -> str:
 
 def fetch_champion(repo: Path, cfg: ReleaseConfig, out: Path) -> dict[str, Any]:
     """Write the champion's best.pt and champion.json to `out`, or champion.json saying there is none
-    (the returned dict then says, under `told`, when the remote was not needed, "" otherwise). Raises production.ProductionUnknown when what is in production cannot be told for sure."""
+    (the returned dict then says, under `told`, when the remote was not needed, "" otherwise).
+    Raises production.ProductionUnknown when what is in production cannot be told for sure."""
     found, told = lookup(repo, cfg.artifact, cfg.stage, cfg.remote)
     handover = {"renamed": dict(cfg.renamed), "across_recipes": cfg.warm_start_across_recipes}
     out.mkdir(parents=True, exist_ok=True)
