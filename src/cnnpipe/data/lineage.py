@@ -30,7 +30,7 @@ from cnnpipe.data.previous import Found, dvc_root
 
 SKETCH_SIZE = 256
 """Path keys kept in a catalog's sketch: the smallest ones (a bottom-k sample, the same files whatever
-order they were listed in); 2 KB in the ledger's header and the data report."""
+order they were listed in); about 5 KB of JSON in the ledger's header and the data report."""
 SAME_CATALOG_OVERLAP = 0.05
 """A catalog sharing at least this fraction of the smaller one's paths with the recorded one is the
 same catalog (moved, grown, pruned): its ledger is required."""
