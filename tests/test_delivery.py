@@ -163,7 +163,8 @@ def honest_answers(rng: np.random.Generator, classes: int, per_class: int) -> tu
     return given, pred, np.where(sure, 0.95, 0.5)
 
 
-def check(new: tuple[np.ndarray, ...], test: tuple[np.ndarray, ...], classes: int, cfg: DeliveryConfig = DeliveryConfig()):
+def check(new: tuple[np.ndarray, ...], test: tuple[np.ndarray, ...], classes: int,
+          cfg: DeliveryConfig = DeliveryConfig()):
     names = [f"c{i:04d}" for i in range(classes)]
     return flag_pairs(*new, *test, names, np.ones(classes, bool), cfg)
 

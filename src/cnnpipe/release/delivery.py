@@ -148,7 +148,8 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
              for i, j, x, y, q, h, f in zip(a, b, k, m, p, p_holm, flags)]
     alone = flagged_class.copy()
     alone[a[flags]] = False  # flagged classes with no pair standing out on its own
-    pairs += [{**r, "predicted": OTHER_CLASSES} for r in class_rows if r["flagged"] and alone[classes.index(r["given"])]]
+    index = {name: i for i, name in enumerate(classes)}
+    pairs += [{**r, "predicted": OTHER_CLASSES} for r in class_rows if r["flagged"] and alone[index[r["given"]]]]
     pairs.sort(key=lambda r: (not r["flagged"], r["p"], -r["images"]))
     photo_keys = given.astype(np.int64) * c + np.where(pred >= 0, pred, 0)
     photos = sure & (np.isin(photo_keys, keys[flags]) | alone[given])
