@@ -89,7 +89,7 @@ def every_pair_flags(pairs: list[dict], classes: int, cfg: DeliveryConfig) -> se
     adjusted = grouped_holm(np.array([r["p"] for r in rows]), np.zeros(len(rows), np.int64),
                             np.array([classes * (classes - 1)]))
     return {(r["given"], r["predicted"]) for r, h in zip(rows, adjusted)
-            if h <= cfg.alpha and r["images"] >= cfg.min_images and r["images"] >= cfg.min_share * r["of"]}
+            if h <= cfg.alpha and r["images"] >= cfg.min_images and r["share"] >= cfg.min_share}
 
 
 def planted(rng: np.random.Generator, classes: int, per_class: int, honest_left: int) -> tuple[np.ndarray, ...]:

@@ -123,7 +123,7 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
     p_class = betabinom.sf(big_k[tested] - 1, n[tested], big_m[tested] + 1, n_ref[tested] - big_m[tested] + 1)
     p_class_holm = grouped_holm(p_class, np.zeros(len(tested), np.int64), np.array([able.sum()]))
     class_flags = ((p_class_holm <= cfg.alpha) & (big_k[tested] >= cfg.min_images)
-                   & (big_k[tested] >= cfg.min_share * n[tested]))
+                   & (big_k[tested] / n[tested] >= cfg.min_share))
     flagged_class = np.zeros(c, bool)
     flagged_class[tested[class_flags]] = True
     class_rows = [{"given": classes[i], "images": int(big_k[i]), "of": int(n[i]), "share": float(big_k[i] / n[i]),
@@ -141,7 +141,7 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
         m = np.where(ref_keys[at] == keys, ref_k[at], 0)
     p = betabinom.sf(k - 1, n[a], m + 1, n_ref[a] - m + 1)  # P(X >= k)
     p_holm = grouped_holm(p, a, np.full(c, c - 1))
-    flags = flagged_class[a] & (p_holm <= cfg.alpha) & (k >= cfg.min_images) & (k >= cfg.min_share * n[a])
+    flags = flagged_class[a] & (p_holm <= cfg.alpha) & (k >= cfg.min_images) & (k / n[a] >= cfg.min_share)
     pairs = [{"given": classes[i], "predicted": classes[j], "images": int(x), "of": int(n[i]), "share": float(x / n[i]),
               "expected": float((y + 1) / (n_ref[i] + 2)), "test_images": int(n_ref[i]), "p": float(q),
               "p_holm": float(h), "flagged": bool(f)}
