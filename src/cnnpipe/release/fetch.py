@@ -8,7 +8,7 @@ and can serve another version than the gate judged against.
 
 Served only if it is what was judged: the downloaded bytes' md5 must be the one that version's
 commit records in `dvc.lock` (through the model folder's listing, itself checked against dvc.lock:
-`release.remote`), else it refuses, naming both md5s, and the file already at `-o` stays as it was.
+`release.remote.Remote`), else it refuses, naming both md5s, and the file already at `-o` stays as it was.
 Writes the model and, beside it, release.json (version, commit, tag, md5).
 """
 
