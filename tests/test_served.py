@@ -4,7 +4,6 @@ hold and a commit off the remote's main. A real (tiny) DVC project: a `train@opt
 writes the model folder, a gate stage that blesses it, a bare git remote and a DVC remote on disk,
 GTO tags written as GTO writes them."""
 
-import json
 import os
 import subprocess
 import sys

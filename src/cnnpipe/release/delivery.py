@@ -46,7 +46,6 @@ from scipy.stats import betabinom
 from cnnpipe.data.held_out import subset
 from cnnpipe.data.store import PreparedSplit, SPLITS, new_rows, open_split, read_index
 from cnnpipe.files import CHAMPION_FILE, write_json
-from cnnpipe.release.stats import holm
 from cnnpipe.release.verdict import logit_batches
 from cnnpipe.release_config import DeliveryConfig, ReleaseConfig
 from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, store_recipe
