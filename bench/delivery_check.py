@@ -8,7 +8,15 @@ the tests' champion: the Bayes rule for those colours, calibrated by constructio
 once over a pool of photos through the library's `calibrated_answers`; each simulated week draws its
 old test photos and its delivery from that pool and runs the library's `flag_pairs`.
 
+Then the class count (`--scale`): at 10, 100 and 1,000 classes, a champion's answers drawn directly
+(right 90% of the time and sure of it 90% of those, else one of three look-alike classes, sure 30%
+of those; the same law for the old test photos and an honest delivery), `--scale-per-class` old test
+photos and new photos a class. How often an honest week is flagged, and how often a week whose one
+class's delivery is ten photos of another class, all filed wrong, is flagged (that class and pair),
+by the two-stage rule and by Holm over every (given, predicted) pair.
+
     python bench/delivery_check.py --weeks 400 --new-per-class 200 --test-per-class 100
+    python bench/delivery_check.py --scale --weeks 1000
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 from cnnpipe.data.store import PreparedSplit  # noqa: E402
-from cnnpipe.release.delivery import calibrated_answers, flag_pairs  # noqa: E402
+from cnnpipe.release.delivery import OTHER_CLASSES, calibrated_answers, flag_pairs, grouped_holm  # noqa: E402
 from cnnpipe.release_config import DeliveryConfig  # noqa: E402
 from cnnpipe.train.trained import load_trained  # noqa: E402
 from test_delivery import OFFSET, probe_checkpoint  # noqa: E402  (registers the probe with timm)
@@ -66,6 +74,61 @@ def week(rng: np.random.Generator, by_class: list[np.ndarray], new: int, test: i
     return np.concatenate(test_rows), np.concatenate(new_rows), np.concatenate(given), np.concatenate(swapped)
 
 
+def honest_answers(rng: np.random.Generator, classes: int, per_class: int) -> tuple[np.ndarray, ...]:
+    """(given, predicted, confidence) of `per_class` photos a class, filed right (tests/test_delivery.py's law)."""
+    given = np.repeat(np.arange(classes), per_class)
+    wrong = rng.random(len(given)) < 0.1
+    pred = np.where(wrong, (given + rng.integers(1, 4, len(given))) % classes, given)
+    sure = rng.random(len(given)) < np.where(wrong, 0.3, 0.9)
+    return given, pred, np.where(sure, 0.95, 0.5)
+
+
+def every_pair_flags(pairs: list[dict], classes: int, cfg: DeliveryConfig) -> set[tuple[str, str]]:
+    """The pairs the one-stage rule flags: Holm over all C(C - 1) pairs, with the same floors."""
+    rows = [r for r in pairs if r["predicted"] != OTHER_CLASSES]
+    adjusted = grouped_holm(np.array([r["p"] for r in rows]), np.zeros(len(rows), np.int64),
+                            np.array([classes * (classes - 1)]))
+    return {(r["given"], r["predicted"]) for r, h in zip(rows, adjusted)
+            if h <= cfg.alpha and r["images"] >= cfg.min_images and r["share"] >= cfg.min_share}
+
+
+def planted(rng: np.random.Generator, classes: int, per_class: int, honest_left: int) -> tuple[np.ndarray, ...]:
+    """An honest delivery in which class 0's photos are `honest_left` of its own and ten of class 1
+    filed under 0, the champion sure they are 1."""
+    given, pred, conf = honest_answers(rng, classes, per_class)
+    keep = (given != 0) | (np.cumsum(given == 0) <= honest_left)
+    return tuple(np.r_[x[keep], np.full(10, v)] for x, v in ((given, 0), (pred, 1), (conf, 0.97)))
+
+
+def scale(weeks: int, per_class: int, seed: int) -> None:
+    """Honest weeks and weeks with ten photos filed wrong in one class, at 10, 100 and 1,000 classes, both rules."""
+    cfg = DeliveryConfig()
+    rng = np.random.default_rng(seed)
+    print(f"\n{weeks} weeks a row; {per_class} old test photos and {per_class} new photos a class, except class 0 in "
+          "the weeks with photos filed wrong: ten of class 1 under its label, with 0 or 10 of its own\n")
+    print("| Classes | Week | Flagged: the class, two-stage | Flagged: the pair, two-stage | "
+          "Flagged: the pair, Holm over every pair |")
+    print("|---:|---|---:|---:|---:|")
+    for c in (10, 100, 1000):
+        names = [f"c{i}" for i in range(c)]
+        everyone = np.ones(c, bool)
+        counts = np.zeros((3, 3), np.int64)
+        for _ in range(weeks):
+            test = honest_answers(rng, c, per_class)
+            for row, new in enumerate((honest_answers(rng, c, per_class), planted(rng, c, per_class, 0),
+                                       planted(rng, c, per_class, 10))):
+                pairs, _, classes = flag_pairs(*new, *test, names, everyone, cfg)
+                if row == 0:  # honest: any flag at all is a false one
+                    counts[row] += (any(r["flagged"] for r in classes), any(r["flagged"] for r in pairs),
+                                    bool(every_pair_flags(pairs, c, cfg)))
+                else:
+                    counts[row] += (any(r["given"] == "c0" and r["flagged"] for r in classes),
+                                    any((r["given"], r["predicted"]) == ("c0", "c1") and r["flagged"] for r in pairs),
+                                    ("c0", "c1") in every_pair_flags(pairs, c, cfg))
+        for row, week in enumerate(("honest (any flag)", "10 of 10 filed wrong", "10 of 20 filed wrong")):
+            print(f"| {c:,} | {week} | " + " | ".join(f"{x / weeks:.1%}" for x in counts[row]) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weeks", type=int, default=400, help="simulated deliveries per row")
@@ -74,9 +137,15 @@ def main() -> None:
     parser.add_argument("--pool-per-class", type=int, default=3000)
     parser.add_argument("--size", type=int, default=16, help="stored size of the photos")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", action="store_true", help="only the 10/100/1,000-class table")
+    parser.add_argument("--scale-per-class", type=int, default=20, help="old test and new photos a class (--scale)")
     args = parser.parse_args()
     start = time.perf_counter()
     torch.set_num_threads(1)
+    if args.scale:
+        scale(args.weeks, args.scale_per_class, args.seed)
+        print(f"({time.perf_counter() - start:.0f} s)")
+        return
     cfg = DeliveryConfig()
     images, truth = pool(args.pool_per_class, args.size, args.seed)
     with tempfile.TemporaryDirectory() as temp:
@@ -100,8 +169,8 @@ def main() -> None:
             tp = listed = planted = both = 0
             for _ in range(args.weeks):
                 test, new, given, swapped = week(rng, by_class, args.new_per_class, args.test_per_class, pair, fraction)
-                pairs, photos = flag_pairs(given, pred[new], conf[new], truth[test], pred[test], conf[test], CLASSES,
-                                           everyone, cfg)
+                pairs, photos, _ = flag_pairs(given, pred[new], conf[new], truth[test], pred[test], conf[test],
+                                              CLASSES, everyone, cfg)
                 tp += int((photos & swapped).sum())
                 listed, planted = listed + int(photos.sum()), planted + int(swapped.sum())
                 named = {(r["given"], r["predicted"]) for r in pairs if r["flagged"]}
@@ -112,8 +181,8 @@ def main() -> None:
     flagged_weeks = files = 0
     for _ in range(args.weeks):
         test, new, given, _ = week(rng, by_class, args.new_per_class, args.test_per_class, None, 0.0)
-        pairs, photos = flag_pairs(given, pred[new], conf[new], truth[test], pred[test], conf[test], CLASSES,
-                                   everyone, cfg)
+        pairs, photos, _ = flag_pairs(given, pred[new], conf[new], truth[test], pred[test], conf[test], CLASSES,
+                                      everyone, cfg)
         flagged_weeks += any(r["flagged"] for r in pairs)
         files += int(photos.sum())
     print(f"\nHonest deliveries of the same size: {flagged_weeks} of {args.weeks} weeks flagged "

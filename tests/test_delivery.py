@@ -17,7 +17,7 @@ from cnnpipe.config import DataConfig
 from cnnpipe.data.loaders import normalize
 from cnnpipe.data.prepare import prepare
 from cnnpipe.params import ParamsError, release_config
-from cnnpipe.release.delivery import check_delivery, flag_pairs
+from cnnpipe.release.delivery import OTHER_CLASSES, check_delivery, flag_pairs, grouped_holm
 from cnnpipe.release_config import DeliveryConfig, ReleaseConfig
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.recipe import input_recipe
@@ -135,8 +135,8 @@ def test_a_pair_the_champion_usually_confuses_is_not_flagged():
     for k, expect in ((22, False), (60, True)):
         given = np.zeros(100, np.int64)
         pred = np.r_[np.ones(k), np.zeros(100 - k)].astype(np.int64)
-        pairs, photos = flag_pairs(given, pred, np.full(100, 0.95), ref_given, ref_pred, ref_conf, ["a", "b"],
-                                   np.array([True, True]), cfg)
+        pairs, photos, _ = flag_pairs(given, pred, np.full(100, 0.95), ref_given, ref_pred, ref_conf, ["a", "b"],
+                                      np.array([True, True]), cfg)
         assert pairs[0]["flagged"] is expect and photos.sum() == (k if expect else 0)
         assert pairs[0]["expected"] == pytest.approx(41 / 202)
 
@@ -145,10 +145,82 @@ def test_unconfident_disagreements_and_tiny_pairs_are_not_flagged():
     cfg = DeliveryConfig(min_images=5)
     ref = (np.zeros(100, np.int64), np.zeros(100, np.int64), np.full(100, 0.99))
     given, pred = np.zeros(50, np.int64), np.r_[np.ones(30), np.zeros(20)].astype(np.int64)
-    pairs, _ = flag_pairs(given, pred, np.full(50, 0.6), *ref, ["a", "b"], np.array([True, True]), cfg)
+    pairs, _, _ = flag_pairs(given, pred, np.full(50, 0.6), *ref, ["a", "b"], np.array([True, True]), cfg)
     assert pairs == []  # 0.6 < release.delivery.confidence: not a confident disagreement
-    pairs, _ = flag_pairs(given[:4], pred[:4], np.full(4, 0.99), *ref, ["a", "b"], np.array([True, True]), cfg)
+    pairs, _, _ = flag_pairs(given[:4], pred[:4], np.full(4, 0.99), *ref, ["a", "b"], np.array([True, True]), cfg)
     assert not pairs[0]["flagged"]  # 4 of 4, far above 1%, but under min_images
+
+
+def honest_answers(rng: np.random.Generator, classes: int, per_class: int) -> tuple[np.ndarray, ...]:
+    """`per_class` photos of every class, filed right, and a champion's answers on them: right 90% of
+    the time (sure of it 90% of those), else one of three look-alike classes (sure 30% of those).
+    The same law for the old test photos and an honest delivery: (given, predicted, confidence)."""
+    given = np.repeat(np.arange(classes), per_class)
+    wrong = rng.random(len(given)) < 0.1
+    look_alike = (given + rng.integers(1, 4, len(given))) % classes
+    pred = np.where(wrong, look_alike, given)
+    sure = rng.random(len(given)) < np.where(wrong, 0.3, 0.9)
+    return given, pred, np.where(sure, 0.95, 0.5)
+
+
+def check(new: tuple[np.ndarray, ...], test: tuple[np.ndarray, ...], classes: int,
+          cfg: DeliveryConfig = DeliveryConfig()):
+    names = [f"c{i:04d}" for i in range(classes)]
+    return flag_pairs(*new, *test, names, np.ones(classes, bool), cfg)
+
+
+def test_ten_photos_filed_wrong_among_1000_classes_are_flagged():
+    """1,000 classes, 20 old test photos and 20 new photos each, but class 7's delivery is ten photos
+    of class 8 filed under 7 (the champion sure they are 8): they are flagged, pair and files, and
+    nothing else is. Holm over all 999,000 pairs (p about 2e-8 against 1e-8) could not flag them."""
+    rng = np.random.default_rng(7)
+    test = honest_answers(rng, 1000, 20)
+    given, pred, conf = honest_answers(rng, 1000, 20)
+    keep = given != 7
+    given, pred, conf = (np.r_[x[keep], np.full(10, v)] for x, v in ((given, 7), (pred, 8), (conf, 0.97)))
+    planted = np.arange(len(given) - 10, len(given))
+    pairs, photos, classes = check((given, pred, conf), test, 1000)
+    flagged = [(r["given"], r["predicted"]) for r in pairs if r["flagged"]]
+    assert flagged == [("c0007", "c0008")] and [r["given"] for r in classes if r["flagged"]] == ["c0007"]
+    assert set(np.flatnonzero(photos)) == set(planted)
+    assert pairs[0]["images"] == 10 and pairs[0]["p"] * 999_000 > DeliveryConfig().alpha  # the old rule's miss
+
+
+def test_photos_filed_wrong_towards_several_classes_flag_their_class():
+    """Twelve photos filed under one class of 100, the champion sure they are four other classes (3
+    each, under min_images per pair): the class is flagged, its photos listed, in one row."""
+    rng = np.random.default_rng(3)
+    test = honest_answers(rng, 100, 20)
+    given, pred, conf = honest_answers(rng, 100, 20)
+    planted = np.flatnonzero(given == 5)[:12]
+    pred[planted], conf[planted] = np.repeat([50, 60, 70, 80], 3), 0.97
+    pairs, photos, _ = check((given, pred, conf), test, 100)
+    assert [(r["given"], r["predicted"]) for r in pairs if r["flagged"]] == [("c0005", OTHER_CLASSES)]
+    assert set(np.flatnonzero(photos)) >= set(planted) and not photos[given != 5].any()
+
+
+@pytest.mark.parametrize("classes", [10, 100, 1000])
+def test_honest_weeks_are_rarely_flagged_at_any_class_count(classes):
+    """Forty honest weeks (seeded) at each class count, the delivery and the test split drawn from
+    the same champion: alpha is 1%, so one flagged week in forty is already unlikely, and a rule
+    whose false flags grew with the class count would show it at 1,000."""
+    rng = np.random.default_rng(classes)
+    weeks = [check(honest_answers(rng, classes, 20), honest_answers(rng, classes, 20), classes) for _ in range(40)]
+    assert sum(any(r["flagged"] for r in pairs) for pairs, _, _ in weeks) <= 1
+
+
+def test_grouped_holm_is_holm_within_each_family():
+    """Listed p-values only (the rest of each family at 1) give the same adjusted p as Holm on the
+    whole family."""
+    from cnnpipe.release.stats import holm
+
+    rng = np.random.default_rng(0)
+    families = [rng.random(12) ** 4 for _ in range(3)]
+    listed = [np.flatnonzero(f < 0.3) for f in families]
+    p = np.concatenate([f[i] for f, i in zip(families, listed)])
+    group = np.concatenate([np.full(len(i), g) for g, i in enumerate(listed)])
+    expected = np.concatenate([holm(f)[i] for f, i in zip(families, listed)])
+    assert np.allclose(grouped_holm(p, group, np.full(3, 12)), expected)
 
 
 def read_list(path: Path) -> list[dict[str, str]]:

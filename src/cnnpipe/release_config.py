@@ -23,7 +23,8 @@ class DeliveryConfig:
     """A new photo counts as a disagreement when the champion's calibrated probability of another
     class is at least this."""
     alpha: float = 0.01
-    """Family-wise error rate of the per-pair tests (Holm over every (given, predicted) pair)."""
+    """Family-wise error rate of the check: Holm over the given classes, then over the (given, predicted)
+    pairs inside each flagged class (`cnnpipe.release.delivery.flag_pairs`)."""
     min_images: int = 5
     """A pair is flagged only with at least this many confident disagreements."""
     min_share: float = 0.05

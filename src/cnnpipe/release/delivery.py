@@ -3,20 +3,31 @@
 A supplier who files one product type under another's folder is the loop's most common bad week.
 The model in production already knows what those photos are: for each photo new since the previous
 store (`store.new_rows`, every split), the champion's calibrated answer (softmax of its logits over
-its fitted temperature, so "80% sure" means what it says). Per (given label a, predicted class b),
-the confident disagreements k among the n new photos filed under a are set against the champion's
-own confident a -> b count m among the N_a old test photos of a (so a class it usually confuses is
-not flagged). The p-value is P(X >= k) where X is what an honest delivery would show: binomial in n
-at the champion's rate, that rate uncertain as the test split leaves it (Beta(m + 1, N_a - m + 1),
-the uniform prior's posterior: X is beta-binomial, and its mean rate (m + 1) / (N_a + 2) is the
-`expected` share reported). A small test split thus asks for more evidence, instead of flagging
-honest weeks whenever it happened to see few confusions. A pair is flagged when that p-value
-survives Holm over every pair at `release.delivery.alpha`, with at least `min_images` such photos
-making at least `min_share` of n. The idea is confident learning's (Northcutt et al. 2021;
-cleanlab's label-issue finder), with a reference rate and a family-wise test in place of its
-per-class thresholds, so that an honest week is rarely flagged whatever the class count.
+its fitted temperature, so "80% sure" means what it says). A photo filed under a that the
+champion is confident is another class is a confident disagreement. The test runs in two stages:
 
-The flagged photos (those of a flagged pair the champion was confident about) are listed by file;
+1. per given class a: the k confident disagreements among the n new photos filed under a are set
+   against the champion's own confident disagreements m among the N_a old test photos of a (so a
+   class it usually gets wrong is not flagged). The p-value is P(X >= k) where X is what an honest
+   delivery would show: binomial in n at the champion's rate, that rate uncertain as the test split
+   leaves it (Beta(m + 1, N_a - m + 1), the uniform prior's posterior: X is beta-binomial, and its
+   mean rate (m + 1) / (N_a + 2) is the `expected` share reported). A small test split thus asks for
+   more evidence, instead of flagging honest weeks whenever it happened to see few confusions.
+   Holm over the classes a flag could reach (checked, at least `min_images` new photos) at
+   `release.delivery.alpha`, with at least `min_images` disagreements making `min_share` of n;
+2. inside each flagged class: the same test per (a, predicted b) pair, against the champion's a -> b
+   rate, Holm over the class's C - 1 pairs, with the same floors.
+
+An honest week can be flagged only through stage 1, so at most `alpha` of honest weeks are, whatever
+the class count; at 1,000 classes, ten photos all filed wrong in one class face a correction for
+1,000 classes, where a test over every pair faced one for 999,000 (bench/delivery_check.py measures
+both). This is a hierarchical (gatekeeping) procedure: family-wise control over the classes, and a
+pair is named only inside a class that failed. The idea is confident learning's (Northcutt et al.
+2021; cleanlab's label-issue finder), with a reference rate and family-wise tests in place of its
+per-class thresholds.
+
+The flagged photos (a flagged pair's confident disagreements, or all of a flagged class's when none of its
+pairs stands out on its own) are listed by file;
 under `policy: hold_out` their lines say so and training, evaluation and the gate leave them out
 (`data.held_out`). Nothing is removed from the store, the catalog or the split ledger.
 """
@@ -35,12 +46,12 @@ from scipy.stats import betabinom
 from cnnpipe.data.held_out import subset
 from cnnpipe.data.store import PreparedSplit, SPLITS, new_rows, open_split, read_index
 from cnnpipe.files import CHAMPION_FILE, write_json
-from cnnpipe.release.stats import holm
 from cnnpipe.release.verdict import logit_batches
 from cnnpipe.release_config import DeliveryConfig, ReleaseConfig
 from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, store_recipe
 from cnnpipe.train.trained import load_trained
 
+OTHER_CLASSES = "(several other classes)"  # the predicted name of a flagged class's row when no one pair stands out
 FIRST_FILES = 100  # how many flagged files delivery.json names (the list file has them all)
 LIST_COLUMNS = ["source", "sha256", "split", "given", "predicted", "confidence", "held_out"]
 
@@ -58,37 +69,90 @@ def calibrated_answers(model: torch.nn.Module, meta: dict[str, Any], split: Prep
     return np.concatenate(pred).astype(np.int64), np.concatenate(conf)
 
 
+def grouped_holm(p: np.ndarray, group: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Holm-adjusted p-values within families: `p` holds only the tests whose p is below 1 (the others'
+    p is 1 and never rejected, so they need not be listed), `group` each one's family and `size[group]`
+    each family's whole number of tests. Sparse, so a family of a million pairs costs its listed tests."""
+    p, group = np.asarray(p, np.float64), np.asarray(group, np.int64)
+    if len(p) == 0:
+        return p
+    order = np.lexsort((p, group))
+    g, q = group[order], p[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    rank = np.arange(len(g)) - np.repeat(starts, np.diff(np.r_[starts, len(g)]))
+    stepped = np.minimum(q * (np.asarray(size)[g] - rank), 1.0)
+    family = np.cumsum(np.r_[0, (g[1:] != g[:-1]).astype(np.int64)])
+    # Monotone within each family: one running maximum, the families lifted apart by 2 each (values <= 1).
+    stepped = np.maximum.accumulate(stepped + 2 * family) - 2 * family
+    adjusted = np.empty(len(p))
+    adjusted[order] = stepped
+    return adjusted
+
+
+def _counts(given: np.ndarray, pred: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (given, predicted) pairs that occur, as keys given * c + predicted, and their counts."""
+    return np.unique(given.astype(np.int64) * c + pred, return_counts=True)
+
+
 def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given: np.ndarray,
                ref_pred: np.ndarray, ref_conf: np.ndarray, classes: list[str], checked: np.ndarray,
-               cfg: DeliveryConfig) -> tuple[list[dict[str, Any]], np.ndarray]:
-    """Every (given, predicted) pair's counts and test among the new photos (`given`, the champion's
-    `pred` and `conf`, predictions in today's class indices, -1 for a class gone), against the
-    reference (old test photos); `checked` masks the given classes the champion knows. Returns the
-    pairs with k > 0, most significant first, and the mask of new photos in a flagged pair."""
+               cfg: DeliveryConfig) -> tuple[list[dict[str, Any]], np.ndarray, list[dict[str, Any]]]:
+    """The two-stage test of the new photos (`given`, the champion's `pred` and `conf`, predictions in
+    today's class indices, -1 for a class gone) against the reference (old test photos); `checked`
+    masks the given classes the champion knows.
+
+    Stage 1, per given class: its confident disagreements (any other class) against the champion's
+    own rate on that class, Holm over the classes a flag could reach. Stage 2, inside each class
+    stage 1 flags: each (given, predicted) pair against the champion's rate for that pair, Holm over
+    the class's C - 1 pairs. An honest week is flagged only through stage 1, so at most `alpha` of
+    honest weeks are, whatever the class count; ten photos all filed wrong in one class of 1,000 face
+    a 1,000-test correction, not a 999,000-pair one. A flagged class none of whose pairs stands out on
+    its own (its photos went to several classes) gets one row, predicted `OTHER_CLASSES`.
+
+    Returns the pairs with k > 0 (flagged first, then by p), the mask of new photos flagged (those of
+    a flagged row) and the classes tested at stage 1 (flagged first)."""
     c = len(classes)
-    sure = (conf >= cfg.confidence) & (pred >= 0)
-    ref_sure = (ref_conf >= cfg.confidence) & (ref_pred >= 0)
-    k = np.zeros((c, c), np.int64)
-    np.add.at(k, (given[sure], pred[sure]), 1)
-    m = np.zeros((c, c), np.int64)
-    np.add.at(m, (ref_given[ref_sure], ref_pred[ref_sure]), 1)
-    n = np.bincount(given, minlength=c)
-    n_ref = np.bincount(ref_given, minlength=c)
-    a, b = np.nonzero(~np.eye(c, dtype=bool) & checked[:, None] & (n > 0)[:, None])
-    p0 = (m[a, b] + 1) / (n_ref[a] + 2)
-    p = betabinom.sf(k[a, b] - 1, n[a], m[a, b] + 1, n_ref[a] - m[a, b] + 1)  # P(X >= k): 1 for k = 0
-    p_holm = holm(p)
-    share = k[a, b] / n[a]
-    flagged = (p_holm <= cfg.alpha) & (k[a, b] >= cfg.min_images) & (share >= cfg.min_share)
-    pairs = [{"given": classes[i], "predicted": classes[j], "images": int(k[i, j]), "of": int(n[i]),
-              "share": float(s), "expected": float(e), "test_images": int(n_ref[i]), "p": float(q),
+    sure = (conf >= cfg.confidence) & (pred >= 0) & (pred != given) & checked[given]
+    ref_sure = (ref_conf >= cfg.confidence) & (ref_pred >= 0) & (ref_pred != ref_given)
+    n, n_ref = np.bincount(given, minlength=c), np.bincount(ref_given, minlength=c)
+    big_k = np.bincount(given[sure], minlength=c)
+    big_m = np.bincount(ref_given[ref_sure], minlength=c)
+    able = checked & (n >= cfg.min_images)  # the classes a flag could reach: stage 1's family
+    tested = np.flatnonzero(able & (big_k > 0))
+    p_class = betabinom.sf(big_k[tested] - 1, n[tested], big_m[tested] + 1, n_ref[tested] - big_m[tested] + 1)
+    p_class_holm = grouped_holm(p_class, np.zeros(len(tested), np.int64), np.array([able.sum()]))
+    class_flags = ((p_class_holm <= cfg.alpha) & (big_k[tested] >= cfg.min_images)
+                   & (big_k[tested] / n[tested] >= cfg.min_share))
+    flagged_class = np.zeros(c, bool)
+    flagged_class[tested[class_flags]] = True
+    class_rows = [{"given": classes[i], "images": int(big_k[i]), "of": int(n[i]), "share": float(big_k[i] / n[i]),
+                   "expected": float((big_m[i] + 1) / (n_ref[i] + 2)), "test_images": int(n_ref[i]), "p": float(q),
+                   "p_holm": float(h), "flagged": bool(f)}
+                  for i, q, h, f in zip(tested, p_class, p_class_holm, class_flags)]
+    class_rows.sort(key=lambda r: (not r["flagged"], r["p"], -r["images"]))
+
+    keys, k = _counts(given[sure], pred[sure], c)
+    a, b = np.divmod(keys, c)
+    ref_keys, ref_k = _counts(ref_given[ref_sure], ref_pred[ref_sure], c)
+    m = np.zeros(len(keys), np.int64)
+    if len(ref_keys):
+        at = np.minimum(np.searchsorted(ref_keys, keys), len(ref_keys) - 1)
+        m = np.where(ref_keys[at] == keys, ref_k[at], 0)
+    p = betabinom.sf(k - 1, n[a], m + 1, n_ref[a] - m + 1)  # P(X >= k)
+    p_holm = grouped_holm(p, a, np.full(c, c - 1))
+    flags = flagged_class[a] & (p_holm <= cfg.alpha) & (k >= cfg.min_images) & (k / n[a] >= cfg.min_share)
+    pairs = [{"given": classes[i], "predicted": classes[j], "images": int(x), "of": int(n[i]), "share": float(x / n[i]),
+              "expected": float((y + 1) / (n_ref[i] + 2)), "test_images": int(n_ref[i]), "p": float(q),
               "p_holm": float(h), "flagged": bool(f)}
-             for i, j, s, e, q, h, f in zip(a, b, share, p0, p, p_holm, flagged) if k[i, j] > 0]
+             for i, j, x, y, q, h, f in zip(a, b, k, m, p, p_holm, flags)]
+    alone = flagged_class.copy()
+    alone[a[flags]] = False  # flagged classes with no pair standing out on its own
+    index = {name: i for i, name in enumerate(classes)}
+    pairs += [{**r, "predicted": OTHER_CLASSES} for r in class_rows if r["flagged"] and alone[index[r["given"]]]]
     pairs.sort(key=lambda r: (not r["flagged"], r["p"], -r["images"]))
-    in_flagged = np.zeros((c, c), bool)
-    in_flagged[a[flagged], b[flagged]] = True
-    photos = sure & in_flagged[given, np.where(pred >= 0, pred, 0)]
-    return pairs, photos
+    photo_keys = given.astype(np.int64) * c + np.where(pred >= 0, pred, 0)
+    photos = sure & (np.isin(photo_keys, keys[flags]) | alone[given])
+    return pairs, photos, class_rows
 
 
 def _sources(prepared_dir: Path, split: str, rows: np.ndarray) -> list[dict[str, Any]]:
@@ -150,8 +214,8 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
     cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
     given_all, pred_all, conf_all = cat(given, np.int64), cat(pred, np.int64), cat(conf, np.float32)
     split_all, row_all = cat(split_of, np.int64), cat(row_of, np.int64)
-    pairs, photos = flag_pairs(given_all, pred_all, conf_all, np.asarray(test.labels[old]), to_today[ref_pred],
-                               ref_conf, classes, checked, rules)
+    pairs, photos, class_rows = flag_pairs(given_all, pred_all, conf_all, np.asarray(test.labels[old]),
+                                           to_today[ref_pred], ref_conf, classes, checked, rules)
 
     chosen = np.flatnonzero(photos)
     files: list[dict[str, Any]] = []
@@ -168,7 +232,7 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
               "checked_images": int(checked[given_all].sum()),
               "test_images": len(old), "unknown_to_champion": [classes[i] for i in np.flatnonzero(~checked)],
               "confident_disagreements": int(sum(r["images"] for r in pairs)),
-              "flagged_images": len(files), "pairs": flagged_pairs,
+              "flagged_images": len(files), "classes": [r for r in class_rows if r["flagged"]], "pairs": flagged_pairs,
               "closest_pairs": [r for r in pairs if not r["flagged"]][:5],
               "rules": {"confidence": rules.confidence, "alpha": rules.alpha, "min_images": rules.min_images,
                         "min_share": rules.min_share, "temperature": meta["temperature"]},
@@ -199,7 +263,8 @@ def summary(report: dict[str, Any]) -> list[str]:
     if not report["checked"]:
         return [f"not checked: {report['reason']}"]
     head = (f"{report['new_images']} new photos checked against champion {report['champion']}: "
-            f"{report['flagged_images']} flagged in {len(report['pairs'])} pair(s)")
+            f"{report['flagged_images']} flagged in {len(report.get('classes', []))} class(es), "
+            f"{len(report['pairs'])} pair(s)")
     lines = [head]
     for r in report["pairs"]:
         lines.append(f"{r['images']} of {r['of']} new '{r['given']}' photos look like '{r['predicted']}' "

@@ -4,14 +4,19 @@ The same resolution as the champion stage and promote (`production.in_stage`: GT
 deprecations, deregistrations and unassignments, same-second events ordered by GTO's counter), on a
 fresh clone of REPO's tags, then the model at that version's commit from the DVC remote. `dvc
 artifacts get --stage prod` instead takes the newest tag naming the stage, unassignments included,
-and can serve another version than the gate judged against. Writes the model and, beside it,
-release.json (version, commit, tag).
+and can serve another version than the gate judged against.
+
+Served only if it is what was judged: the downloaded bytes' md5 must be the one that version's
+commit records in `dvc.lock` (through the model folder's listing, itself checked against dvc.lock:
+`release.remote.Remote`), else it refuses, naming both md5s, and the file already at `-o` stays as it was.
+Writes the model and, beside it, release.json (version, commit, tag, md5).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -20,19 +25,42 @@ from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.files import write_json
 from cnnpipe.release.champion import artifact_path, download
 from cnnpipe.release.production import ProductionUnknown, artifact_events, git, in_stage
+from cnnpipe.release.remote import ModelUnchecked, Remote, file_md5
+
+
+class Mismatch(RuntimeError):
+    """The served bytes are not those the promoted commit recorded."""
 
 
 def fetch_production(url: str, artifact: str, stage: str, out: Path) -> dict:
     """Resolve `stage` of `artifact` in the git repository `url` and download its model to `out`."""
     with tempfile.TemporaryDirectory(prefix="cnnpipe-fetch-") as tmp:
         clone = Path(tmp) / "repo"
-        git(Path(tmp), "clone", "--quiet", "--no-checkout", url, str(clone))
+        source = str(Path(url).resolve()) if Path(url).exists() else url  # a relative path, from here
+        git(Path(tmp), "clone", "--quiet", "--no-checkout", source, str(clone))
         found = in_stage(artifact_events(clone, artifact), artifact, stage)
         if found is None:
             raise ProductionUnknown(f"no version of {artifact!r} is in {stage!r} in {url}")
-        path = artifact_path(None, artifact, git(clone, "show", f"{found['commit']}:dvc.yaml").stdout)
-        digest = download(str(clone), path, found["commit"], out)
-    about = {**found, "repo": url, "path": path, "sha256": digest}
+        commit = found["commit"]
+        path = artifact_path(None, artifact, git(clone, "show", f"{commit}:dvc.yaml").stdout)
+        lock = git(clone, "show", f"{commit}:dvc.lock", check=False)
+        if lock.returncode != 0:
+            raise ModelUnchecked(f"{found['version']}'s commit {commit[:12]} has no dvc.lock: nothing records which "
+                                 "bytes were judged, so none are served")
+        with Remote(clone, rev=commit) as remote:
+            expected = remote.recorded_md5(lock.stdout, path)
+        staged = out.parent / f".{out.name}.unverified"
+        digest = download(str(clone), path, commit, staged)
+        served = file_md5(staged)
+        if served != expected:
+            staged.unlink()
+            raise Mismatch(f"the bytes served for {path} at {found['version']} (commit {commit[:12]}) have md5 "
+                           f"{served}, but that commit's dvc.lock records md5 {expected}: the DVC remote's copy is "
+                           f"not the model that was judged, and {out} was left as it was. Delete the remote's object "
+                           f"{remote.odb.oid_to_path(expected)} and run `dvc push` where the model was promoted (its "
+                           "cache holds the judged bytes), then fetch again")
+        os.replace(staged, out)
+    about = {**found, "repo": url, "path": path, "sha256": digest, "md5": served}
     write_json(out.parent / "release.json", about)
     return about
 
@@ -47,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         about = fetch_production(args.repo, args.artifact, args.stage, args.out)
-    except (ProductionUnknown, KeyError) as exc:
+    except (ProductionUnknown, KeyError, ModelUnchecked) as exc:
         print(f"fetch: {exc}", file=sys.stderr)
+        return 2
+    except Mismatch as exc:
+        print(f"fetch: REFUSED: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # DVC could not fetch the model: say where it should be
         print(f"fetch: could not fetch the model at its commit ({exc.__class__.__name__}: {exc}); the DVC remote "

@@ -2,8 +2,9 @@
 
 Refuses, with exit code 2 and the reasons, when: the model was not blessed (unless `--override
 "why"`, which goes into the tags), the gate judged against another champion than the one in the
-stage now, the working tree or dvc.lock is not committed, the pipeline is not up to date with
-dvc.lock, the model is not in the DVC remote, the commit is not on the git remote, or this clone's
+stage now, the working tree (an untracked file included) or dvc.lock is not committed, the pipeline
+is not up to date with dvc.lock, the model is not in the DVC remote, the commit is not on the git
+remote's main branch, or this clone's
 tags disagree with the remote's. Otherwise it registers the commit as the next version (`name@v0.1.0`
 first, then `--bump-minor`; a version HEAD already has is reused), assigns it to the stage
 (`name#prod#N`), both annotated tags carrying the gate's summary, and pushes both to the git
@@ -57,17 +58,26 @@ def summary(verdict: dict[str, Any]) -> str:
 
 
 def check_ready(repo: Path, model_stage: str, gate: Path, remote: str | None) -> None:
-    """Refuse unless the tree is committed (dvc.lock and the verdict included), the pipeline matches
-    dvc.lock, the model is pushed to the DVC remote and the commit to the git remote."""
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo)
+    """Refuse unless the tree is committed (dvc.lock and the verdict included, no untracked file), the
+    commit is on the git remote's main branch, the pipeline matches dvc.lock and the model is pushed
+    to the DVC remote."""
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=all"], repo)
     if dirty.returncode != 0:
         raise Refused(f"{repo} is not a git repository: {dirty.stderr.strip()}")
     tracked = _run(["git", "ls-files", "--error-unmatch", "dvc.lock", str(gate.resolve().relative_to(repo))], repo)
     if tracked.returncode != 0:
         raise Refused(f"dvc.lock and {gate} must be committed with the model: {tracked.stderr.strip()}")
-    if dirty.stdout.strip():
+    lines = dirty.stdout.splitlines()
+    changed, untracked = [s for s in lines if not s.startswith("??")], [s[3:] for s in lines if s.startswith("??")]
+    if changed:
         raise Refused("the working tree has uncommitted changes (dvc.lock, metrics, code?):\n"
-                      f"{dirty.stdout.rstrip()}\ncommit them first: the version must name the commit that made it")
+                      + "\n".join(changed) + "\ncommit them first: the version must name the commit that made it")
+    if untracked:
+        raise Refused("the working tree has untracked files, which the version's commit would not hold:\n"
+                      + "\n".join(f"  {name}" for name in untracked) + "\ncommit them (`git add`), or list them in "
+                      ".gitignore if they are not part of the project")
+    if remote is not None:
+        check_on_main(repo, remote)
     # The gate and everything it stands on (prepare, train@optimized, evaluate@optimized): a weekly run
     # may leave the baseline's stages behind.
     status = _run([sys.executable, "-m", "dvc", "status", "--json", "--with-deps", "gate"], repo)
@@ -81,12 +91,22 @@ def check_ready(repo: Path, model_stage: str, gate: Path, remote: str | None) ->
         raise Refused(f"cannot check the DVC remote: {cloud.stderr.strip()}: configure one (`dvc remote add -d ...`)")
     if json.loads(cloud.stdout or "{}"):
         raise Refused("the model is not in the DVC remote yet: run `dvc push` (a serving machine fetches it from there)")
-    if remote is not None:
-        git(repo, "fetch", "--quiet", "--no-tags", remote)
-        on_remote = git(repo, "branch", "-r", "--contains", "HEAD", "--format=%(refname:short)").stdout.split()
-        if not any(b.startswith(f"{remote}/") for b in on_remote):
-            raise Refused(f"this commit is on no branch of {remote!r}: push it first (`git push {remote} HEAD`), so that "
-                          "the version's commit is where every clone can find it")
+
+
+def check_on_main(repo: Path, remote: str) -> None:
+    """Refuse unless HEAD is in the history of `remote`'s main branch (its HEAD, else `main`), fetched
+    now: a commit only on a side branch, or not pushed, is not where every clone and CI look."""
+    symref = git(repo, "ls-remote", "--symref", remote, "HEAD", check=False)
+    head = next((line.split()[1] for line in symref.stdout.splitlines() if line.startswith("ref: ")), "refs/heads/main")
+    branch = head.removeprefix("refs/heads/")
+    fetched = git(repo, "fetch", "--quiet", "--no-tags", remote, f"+{head}:refs/remotes/{remote}/{branch}", check=False)
+    if fetched.returncode != 0:
+        raise Refused(f"cannot read branch {branch!r} of git remote {remote!r} ({fetched.stderr.strip()}): push this "
+                      f"commit there first (`git push {remote} HEAD:{branch}`)")
+    if git(repo, "merge-base", "--is-ancestor", "HEAD", f"refs/remotes/{remote}/{branch}", check=False).returncode:
+        raise Refused(f"this commit is not on {remote!r}'s {branch}: push it there first (`git push {remote} "
+                      f"HEAD:{branch}`, merged if it sits on another branch), so that the version's commit is in the "
+                      "history every clone and CI check out")
 
 
 def check_same_champion(now: dict[str, Any] | None, cfg: ReleaseConfig, verdict: dict[str, Any]) -> None:

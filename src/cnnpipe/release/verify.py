@@ -6,10 +6,13 @@ Exits 0 only when, at the commit the tag (or ref) names:
   (`OVERRIDE by ...`, as `python -m cnnpipe.promote --override` writes);
 - that gate.json is the gate stage's own output (its md5 is the one dvc.lock records for it);
 - the gate judged that commit's model: the gate stage's recorded input `models/optimized` has the
-  hash dvc.lock records for train@optimized's output, the artifact's folder.
+  hash dvc.lock records for train@optimized's output, the artifact's folder;
+- the DVC remote holds that model: every file of the artifact's folder as that commit's dvc.lock
+  records it (the folder's listing checked against its md5), so a server can fetch what was judged.
 
-Git alone answers all three (no DVC remote, no model bytes), so it runs as the CI job on every
-tag push: a `gto assign` made by hand, past the gate, fails the build (docs/weekly-loop.md).
+Git answers the first three; the last asks the default DVC remote of the checkout (`.dvc/config`,
+with `config.local`'s credentials), so the CI job on every tag push needs read access to it: a `gto
+assign` made by hand, past the gate, or a model never pushed, fails the build (docs/weekly-loop.md).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from typing import Any
 import yaml
 
 from cnnpipe.release_config import ReleaseConfig
+from cnnpipe.release.champion import artifact_path
 from cnnpipe.release.production import ProductionUnknown, artifact_events, git
+from cnnpipe.release.remote import ModelUnchecked, Remote
 
 GATE = "metrics/gate.json"
 MODEL_DIR = "models/optimized"
@@ -34,6 +39,23 @@ MODEL_STAGE = "train@optimized"
 
 def _lock_entry(entries: list[dict[str, Any]], path: str) -> dict[str, Any] | None:
     return next((e for e in entries or [] if e.get("path") == path), None)
+
+
+def remote_holds(repo: Path, commit: str, artifact: str, lock_text: str) -> list[str]:
+    """Why the DVC remote cannot serve the artifact at `commit`: [] when it holds every file of it."""
+    try:
+        path = artifact_path(None, artifact, git(repo, "show", f"{commit}:dvc.yaml").stdout)
+        with Remote(repo) as remote:
+            missing = remote.missing(lock_text, path)
+            where = f"{remote.name!r} ({remote.url})"
+    except (ModelUnchecked, KeyError) as exc:
+        return [f"the DVC remote cannot be checked: {exc}"]
+    except Exception as exc:  # DVC could not reach the remote: unchecked is refused, never passed
+        return [f"the DVC remote cannot be checked ({exc.__class__.__name__}: {exc})"]
+    if missing:
+        return [f"the DVC remote {where} does not hold the model at {commit[:12]}: missing {', '.join(missing)}. "
+                "A server cannot fetch it: run `dvc push` where it was promoted (its cache holds it)"]
+    return []
 
 
 def verify(repo: Path, ref: str, artifact: str) -> tuple[bool, list[str]]:
@@ -72,7 +94,9 @@ def verify(repo: Path, ref: str, artifact: str) -> tuple[bool, list[str]]:
     else:
         ok = False
         findings.append("the gate REFUSED it and no tag records an override: " + "; ".join(verdict["reasons"]))
-    return ok, findings
+    problems = remote_holds(repo, commit, artifact, lock_text.stdout)
+    findings += problems or ["the DVC remote holds the model"]
+    return ok and not problems, findings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in findings:
         print(f"verify: {line}", file=sys.stdout if ok else sys.stderr)
-    print(f"verify: {'OK' if ok else 'NOT BLESSED'}: {args.ref}", file=sys.stdout if ok else sys.stderr)
+    print(f"verify: {'OK' if ok else 'NOT VERIFIED'}: {args.ref}", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 
 

@@ -1,0 +1,147 @@
+"""Serve what was judged: `release.fetch` checks the served bytes against the promoted commit's
+dvc.lock, `release.verify` checks the DVC remote holds the model, promote refuses a tree git does not
+hold and a commit off the remote's main. A real (tiny) DVC project: a `train@optimized` stage that
+writes the model folder, a gate stage that blesses it, a bare git remote and a DVC remote on disk,
+GTO tags written as GTO writes them."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cnnpipe.release import promote as promote_mod
+from cnnpipe.release.fetch import Mismatch, fetch_production
+from cnnpipe.release.remote import file_md5
+
+ENV = {"GIT_AUTHOR_NAME": "Product Owner", "GIT_AUTHOR_EMAIL": "po@example.com",
+       "GIT_COMMITTER_NAME": "Product Owner", "GIT_COMMITTER_EMAIL": "po@example.com", "DVC_NO_ANALYTICS": "1"}
+DVC_YAML = """stages:
+  train:
+    foreach: [optimized]
+    do:
+      cmd: python train.py models/${item}
+      deps:
+        - train.py
+      outs:
+        - models/${item}
+  gate:
+    cmd: python gate.py
+    deps:
+      - gate.py
+      - models/optimized
+    outs:
+      - metrics/gate.json:
+          cache: false
+artifacts:
+  m:
+    path: models/optimized/best.pt
+    type: model
+"""
+
+
+def sh(cwd: Path, *cmd: str, ok: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, **ENV, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 or not ok, f"{' '.join(cmd)}: {proc.stdout}{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def promoted(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(project, git origin, DVC remote): the model built, committed, pushed to both remotes, and
+    assigned to prod (m@v0.1.0, m#prod#1) on the origin."""
+    root = tmp_path_factory.mktemp("served")
+    project, origin, storage = root / "project", root / "origin.git", root / "dvc-remote"
+    sh(root, "git", "init", "-q", "--bare", "-b", "main", str(origin))
+    sh(root, "git", "clone", "-q", str(origin), str(project))
+    sh(project, "dvc", "init", "-q")
+    sh(project, "dvc", "remote", "add", "-q", "-d", "storage", str(storage))
+    (project / "metrics").mkdir()
+    (project / "dvc.yaml").write_text(DVC_YAML)
+    (project / "train.py").write_text("import pathlib, sys\nout = pathlib.Path(sys.argv[1])\nout.mkdir(parents=True)\n"
+                                      "(out / 'best.pt').write_bytes(b'judged weights')\n"
+                                      "(out / 'last.pt').write_bytes(b'last epoch')\n")
+    (project / "gate.py").write_text("import json\njson.dump({'blessed': True, 'reasons': ['fine'], 'warnings': []}, "
+                                     "open('metrics/gate.json', 'w'))\n")
+    sh(project, "dvc", "repro", "-q")
+    sh(project, "git", "add", "-A")
+    sh(project, "git", "commit", "-qm", "week 0")
+    sh(project, "dvc", "push", "-q")
+    sh(project, "git", "push", "-q", "origin", "main")
+    for name in ("m@v0.1.0", "m#prod#1"):
+        sh(project, "git", "tag", "-a", name, "-m", name, "HEAD")
+    sh(project, "git", "push", "-q", "origin", "--tags")
+    return project, origin, storage
+
+
+def remote_object(storage: Path, project: Path) -> Path:
+    """The DVC remote's file holding best.pt's bytes."""
+    md5 = file_md5(project / "models" / "optimized" / "best.pt")
+    return storage / "files" / "md5" / md5[:2] / md5[2:]
+
+
+def test_fetch_serves_the_judged_bytes_and_refuses_others(promoted, tmp_path):
+    project, origin, storage = promoted
+    out = tmp_path / "server" / "model" / "best.pt"
+    about = fetch_production(str(origin), "m", "prod", out)
+    assert out.read_bytes() == b"judged weights" and about["md5"] == file_md5(project / "models/optimized/best.pt")
+    stored = remote_object(storage, project)
+    judged = stored.read_bytes()
+    try:
+        stored.chmod(0o644)
+        stored.write_bytes(b"other weights")  # the remote's copy is not what was judged
+        with pytest.raises(Mismatch, match=rf"have md5 {file_md5(stored)}, but that commit's dvc.lock records md5 "
+                                           rf"{about['md5']}.*run `dvc push` where the model was promoted"):
+            fetch_production(str(origin), "m", "prod", out)
+        assert out.read_bytes() == b"judged weights" and sorted(p.name for p in out.parent.iterdir()) == \
+            ["best.pt", "release.json"]  # the served file untouched, nothing half-written beside it
+        cli = sh(tmp_path, sys.executable, "-m", "cnnpipe.release.fetch", str(origin), "-o", str(out),
+                 "--artifact", "m", ok=False)
+        assert cli.returncode == 2 and "fetch: REFUSED: the bytes served for models/optimized/best.pt" in cli.stderr
+    finally:
+        stored.write_bytes(judged)
+
+
+def test_verify_refuses_when_the_dvc_remote_lacks_the_model(promoted):
+    project, _, storage = promoted
+    ok = sh(project, sys.executable, "-m", "cnnpipe.release.verify", "m#prod#1", "--artifact", "m")
+    assert "verify: the DVC remote holds the model" in ok.stdout and "verify: OK" in ok.stdout
+    stored = remote_object(storage, project)
+    moved = stored.with_name(stored.name + ".away")
+    stored.rename(moved)
+    try:
+        bad = sh(project, sys.executable, "-m", "cnnpipe.release.verify", "m#prod#1", "--artifact", "m", ok=False)
+    finally:
+        moved.rename(stored)
+    assert bad.returncode == 1 and "the gate blessed it" in bad.stderr
+    assert ("does not hold the model at" in bad.stderr and "missing models/optimized/best.pt" in bad.stderr
+            and "run `dvc push` where it was promoted" in bad.stderr and "NOT VERIFIED" in bad.stderr), bad.stderr
+
+
+def test_promote_refuses_an_untracked_file_and_a_commit_off_the_remotes_main(promoted, tmp_path):
+    project, origin, _ = promoted
+    clone = tmp_path / "clone"
+    sh(tmp_path, "git", "clone", "-q", str(origin), str(clone))
+    gate = clone / "metrics" / "gate.json"
+
+    def refusal() -> str:
+        with pytest.raises(promote_mod.Refused) as caught:
+            promote_mod.check_ready(clone, "train@optimized", gate, "origin")
+        return str(caught.value)
+
+    (clone / "notes.txt").write_text("a file git does not hold")
+    said = refusal()
+    assert "untracked files" in said and "notes.txt" in said and "uncommitted changes" not in said
+    (clone / "notes.txt").unlink()
+    (clone / "dvc.yaml").write_text((clone / "dvc.yaml").read_text() + "\n")
+    assert "uncommitted changes" in refusal()
+    sh(clone, "git", "checkout", "-q", "dvc.yaml")
+    sh(clone, "git", "checkout", "-q", "-b", "side")
+    sh(clone, "git", "commit", "-q", "--allow-empty", "-m", "on a side branch")
+    sh(clone, "git", "push", "-q", "origin", "side")  # on a branch of the remote, but not on its main
+    said = refusal()
+    assert "not on 'origin''s main" in said and "git push origin HEAD:main" in said
+    sh(clone, "git", "checkout", "-q", "main")
+    assert "not on 'origin''s main" not in refusal()  # on main: the checks go on (here to DVC's)
