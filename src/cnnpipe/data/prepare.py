@@ -295,7 +295,9 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
     work = out_dir.with_name(out_dir.name + ".work")
     store, ledger_found = find_previous(out_dir), find_previous(ledger_dir)
     rule = split_rule(seed, cfg.val_fraction, cfg.test_fraction)
-    listed, cleared_digests = read_held_list(last_list(held_out)), read_cleared(cleared)
+    # The last list's holds belong to the ledger found: without one (a new catalog, a first run) none apply.
+    listed = read_held_list(last_list(held_out)) if ledger_found.tree is not None else {}
+    cleared_digests = read_cleared(cleared)
     new_store.mkdir(parents=True)
     try:
         if cfg.source == "fashion-mnist":

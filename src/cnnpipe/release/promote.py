@@ -35,6 +35,7 @@ from cnnpipe.release.production import (
 )
 
 FIRST_VERSION = "v0.1.0"
+ACCEPTED = "ACCEPTED with --accept-flagged"  # in the tags' message: what verify looks for
 
 
 class Refused(RuntimeError):
@@ -168,9 +169,9 @@ def promote(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any], override: s
     if override:
         who = _run(["git", "config", "user.name"], repo).stdout.strip() or "unknown"
         message = f"OVERRIDE by {who}: {override}. {message}"
-    if flags:
+    if flags:  # after the gate's words, so that an override still leads the message
         who = _run(["git", "config", "user.name"], repo).stdout.strip() or "unknown"
-        message = f"{flags.splitlines()[0].rstrip(':')}: ACCEPTED by {who} (--accept-flagged). {message}"
+        message = f"{message} Delivery: {flags.splitlines()[0].rstrip(':')}: {ACCEPTED} by {who}."
     versions = [e for e in events if e.action == "register" and e.commit == head]
     try:
         if versions:

@@ -4,11 +4,13 @@ Exits 0 only when, at the commit the tag (or ref) names:
 
 - metrics/gate.json says `blessed`, or a GTO tag of the artifact on that commit records an override
   (`OVERRIDE by ...`, as `python -m cnnpipe.promote --override` writes);
+- the delivery check left no flagged photo open, or a tag on that commit records the acknowledgement
+  (`python -m cnnpipe.promote --accept-flagged`);
 - that gate.json is the gate stage's own output (its md5 is the one dvc.lock records for it);
 - the gate judged that commit's model: the gate stage's recorded input `models/optimized` has the
   hash dvc.lock records for train@optimized's output, the artifact's folder.
 
-Git alone answers all three (no DVC remote, no model bytes), so it runs as the CI job on every
+Git alone answers all four (no DVC remote, no model bytes), so it runs as the CI job on every
 tag push: a `gto assign` made by hand, past the gate, fails the build (docs/weekly-loop.md).
 """
 
@@ -26,6 +28,7 @@ import yaml
 
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.release.production import ProductionUnknown, artifact_events, git
+from cnnpipe.release.promote import ACCEPTED, open_flags
 
 GATE = "metrics/gate.json"
 MODEL_DIR = "models/optimized"
@@ -72,6 +75,11 @@ def verify(repo: Path, ref: str, artifact: str) -> tuple[bool, list[str]]:
     else:
         ok = False
         findings.append("the gate REFUSED it and no tag records an override: " + "; ".join(verdict["reasons"]))
+    flags = open_flags(verdict)
+    accepted = [e for e in artifact_events(repo, artifact) if e.commit == commit and ACCEPTED in e.message]
+    if flags and not accepted:
+        ok = False
+        findings.append(flags.splitlines()[0].rstrip(":") + ", and no tag records --accept-flagged")
     return ok, findings
 
 
