@@ -37,7 +37,8 @@ def add_photos(root: Path, week: list[tuple[str, str, int]], tag: str, seed: int
     """`week`'s (true colour, folder, count) photos into the catalog, named new-<tag>-<true>-<i>."""
     for j, (true, folder, count) in enumerate(week):
         for i in range(count):
-            colour_photo(root / "catalog" / folder / f"new-{tag}-{true}-{i:03d}.png", COLOURS[true], seed + 1000 * j + i)
+            path = root / "catalog" / folder / f"new-{tag}-{true}-{i:03d}.png"
+            colour_photo(path, COLOURS[true], seed + 1000 * j + i)
 
 
 def week_store(root: Path, old: int = 60) -> tuple[DataConfig, Path]:

@@ -37,8 +37,8 @@ def read_cleared(path: Path | None) -> np.ndarray:
         raise DataError(str(exc)) from exc
 
 
-def read_held_list(path: Path | None) -> dict[bytes, str]:
-    """{sha256: the label it was held under} of the rows a delivery list holds out (none without one)."""
+def read_held_list(path: Path | None) -> dict[str, str]:
+    """{hex sha256: the label it was held under} of the rows a delivery list holds out (none without one)."""
     if path is None or not Path(path).exists():
         return {}
     with open(path, newline="", encoding="utf-8") as fh:
@@ -49,13 +49,13 @@ def read_held_list(path: Path | None) -> dict[bytes, str]:
                             "`dvc repro delivery`, or remove the file")
         rows = [(row["sha256"], row["given"], reader.line_num) for row in reader if row["held_out"] == "true"]
     try:
-        digests = sha256_column([r[0] for r in rows], Path(path), [r[2] for r in rows])
+        sha256_column([r[0] for r in rows], Path(path), [r[2] for r in rows])  # each one checked
     except ValueError as exc:
         raise DataError(str(exc)) from exc
-    return {bytes(d): r[1] for d, r in zip(digests, rows)}
+    return {r[0]: r[1] for r in rows}
 
 
-def holds(records: np.ndarray, classes: Sequence[str], ledger: Ledger, listed: dict[bytes, str],
+def holds(records: np.ndarray, classes: Sequence[str], ledger: Ledger, listed: dict[str, str],
           cleared: np.ndarray) -> np.ndarray:
     """Which of `records` (labels into `classes`) stay held: the ledger holds them, or the last
     delivery list did, under the label they still have; and no person cleared them."""
@@ -64,9 +64,9 @@ def holds(records: np.ndarray, classes: Sequence[str], ledger: Ledger, listed: d
     before = np.asarray(ledger.classes + [""], dtype=object)[held_code]  # -1 indexes ""
     held = (held_code >= 0) & (before == names)
     if listed:
-        wanted = np.frombuffer(b"".join(listed), dtype="S32")
+        wanted = np.frombuffer(b"".join(bytes.fromhex(h) for h in listed), dtype="S32")
         for i in np.flatnonzero(np.isin(records["digest"], wanted)).tolist():  # a delivery's flags: few
-            held[i] |= listed[bytes(records["digest"][i])] == names[i]
+            held[i] |= listed[records["digest"][i : i + 1].tobytes().hex()] == names[i]
     return held & ~np.isin(records["digest"], cleared)
 
 

@@ -125,8 +125,8 @@ def new_to_champion(prepared_dir: Path, splits: list[str], meta: dict[str, Any])
     return {s: new_rows(prepared_dir, s) for s in splits}, "the previous store (the champion predates arrival marks)"
 
 
-def carried_holds(prepared_dir: Path, splits: list[str], classes: list[str], flagged: set[tuple[str, int]],
-                  policy: str) -> list[dict[str, Any]]:
+def carried_holds(prepared_dir: Path, splits: list[str], classes: list[str],
+                  flagged: set[tuple[str, int]]) -> list[dict[str, Any]]:
     """The photos the ledger still holds (the store's `<split>_held.npy`) that this check did not flag
     again: listed each week, held whatever the policy, until cleared or relabelled."""
     files = []
@@ -148,13 +148,14 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig, d
     list the photos the ledger still holds and, as cleared, the flagged ones whose sha256 the committed
     file `cleared` lists. Returns the report (delivery.json) and the listed photos, one dict per file."""
     report, files = _check(prepared_dir, champion_dir, cfg, device)
-    splits = [s for s in SPLITS if s in read_index(prepared_dir)["splits"]]
-    done = read_cleared(cleared)
+    index = read_index(prepared_dir)
+    raw = read_cleared(cleared).tobytes()  # (not .tolist(): numpy drops a digest's trailing zero bytes)
+    done = {raw[k : k + 32].hex() for k in range(0, len(raw), 32)}
     for f in files:
-        if np.isin(np.frombuffer(bytes.fromhex(f["sha256"]), "S32"), done)[0]:
+        if f["sha256"] in done:
             f.update(held_out=False, status="cleared")
     flagged = {(f["split"], f.pop("row")) for f in files}
-    files += carried_holds(prepared_dir, splits, list(read_index(prepared_dir)["classes"]), flagged, cfg.delivery.policy)
+    files += carried_holds(prepared_dir, [s for s in SPLITS if s in index["splits"]], list(index["classes"]), flagged)
     status = Counter(f["status"] for f in files)
     report.update(held_from_earlier_weeks=status["held"], cleared=status["cleared"],
                   open_flags=status["flagged"] + status["held"],
