@@ -18,6 +18,7 @@ from cnnpipe.data.held_out import open_judged, open_kept
 from cnnpipe.data.ledger import HOLD
 from cnnpipe.data.prepare import prepare
 from cnnpipe.data.store import new_rows, open_split, read_index
+from cnnpipe.release.clear import main as clear_main
 from cnnpipe.release.delivery import check_delivery, write_delivery
 from cnnpipe.release.production import ProductionUnknown
 from cnnpipe.release_config import ReleaseConfig
@@ -110,7 +111,8 @@ def test_a_held_photo_stays_out_the_following_weeks_until_relabelled_or_cleared(
         (tmp_path / "catalog" / m).rename(tmp_path / "catalog" / "green" / m.name)
     rows = [r for r in read_list(listed) if "new-w1-red-" in r["source"]][:3]
     cleared = tmp_path / "cleared.csv"
-    cleared.write_text("sha256,note\n" + "".join(f"{r['sha256']},looked fine\n" for r in rows))
+    assert clear_main(["--list", str(listed), "--cleared", str(cleared), "--note", "looked fine",
+                       "--sha256", *[r["sha256"] for r in rows]]) == 0
     write_delivery(report, files, report_path, listed)
     prepare(cfg, 0, prepared, tmp_path / "report.json", held_out=listed, cleared=cleared)
     report, files = check_delivery(prepared, champion, ReleaseConfig(), torch.device("cpu"), cleared)
@@ -164,6 +166,8 @@ def test_by_default_a_swapped_week_is_held_out_and_promote_asks_for_an_acknowled
     verdict = run_gate(ReleaseConfig(artifact="m"), champion, champion, tmp_path / "eval", prepared, tmp_path / "gate",
                        torch.device("cpu"), delivery=tmp_path / "metrics" / "delivery.json", held_out=listed)
     assert verdict["delivery"]["open_flags"] == len(rows)
+    assert f"{len(rows)} flagged photo(s) open: `python -m cnnpipe.promote` asks for `--accept-flagged`" in \
+        (tmp_path / "gate" / "gate.md").read_text()
     verdict = {**verdict, "blessed": True}
     with pytest.raises(promote_mod.Refused, match=r"(?s)left \d+ flagged photo\(s\) open.*'red'.*--accept-flagged"):
         promote_mod.promote(tmp_path, ReleaseConfig(artifact="m"), verdict)
@@ -171,3 +175,21 @@ def test_by_default_a_swapped_week_is_held_out_and_promote_asks_for_an_acknowled
         promote_mod.promote(tmp_path, ReleaseConfig(artifact="m", remote=None), verdict, accept_flagged=True)
     assert "flagged photo" not in str(refused.value)
     shutil.rmtree(tmp_path / "w")
+
+
+def test_clear_records_the_photos_a_person_cleared_and_refuses_what_is_not_a_sha256(tmp_path, capsys):
+    from cnnpipe.data.held_out import read_cleared
+    from cnnpipe.release.clear import main
+
+    listed, cleared = tmp_path / "flagged.csv", tmp_path / "cleared.csv"
+    rows = [("a.png", "ab" * 32, "red", "green", "flagged"), ("b.png", "cd" * 31 + "00", "green", "red", "held"),
+            ("c.png", "ef" * 32, "red", "green", "cleared")]
+    listed.write_text("source,sha256,split,given,predicted,confidence,held_out,status\n" + "".join(
+        f"{s},{h},train,{g},{p},0.9,{'false' if st == 'cleared' else 'true'},{st}\n" for s, h, g, p, st in rows))
+    assert main(["--list", str(listed), "--cleared", str(cleared), "--note", "x", "--sha256", "ab" * 31]) == 2
+    assert not cleared.exists() and "is not a sha256" in capsys.readouterr().err
+    assert main(["--list", str(listed), "--cleared", str(cleared), "--note", "checked by Ana", "--all",
+                 "--given", "green"]) == 0
+    assert main(["--list", str(listed), "--cleared", str(cleared), "--note", "again", "--all"]) == 0  # the open ones
+    assert cleared.read_text().splitlines() == ["sha256,note", f"{'cd' * 31}00,checked by Ana", f"{'ab' * 32},again"]
+    assert len(read_cleared(cleared)) == 2 and "1 photo(s) added" in capsys.readouterr().out

@@ -199,7 +199,12 @@ def _check(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
             split_of.append(np.full(len(rows), number))
             row_of.append(rows)
     test = open_split(prepared_dir, "test")
-    old = np.flatnonzero(~marks["test"])
+    # The reference: test photos the champion's data held, less those held out (their labels are in
+    # doubt) and those once in a training split (it may have memorised them).
+    leave = np.array(marks["test"], bool)
+    for doubtful in (store_mark(prepared_dir, "test", "held"), store_mark(prepared_dir, "test", "trained")):
+        leave |= doubtful if doubtful is not None else False
+    old = np.flatnonzero(~leave)
     ref_pred, ref_conf = calibrated_answers(model, meta, subset(test, old), device)
     cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
     given_all, pred_all, conf_all = cat(given, np.int64), cat(pred, np.int64), cat(conf, np.float32)

@@ -100,8 +100,9 @@ def open_flags(verdict: dict[str, Any]) -> str | None:
     where = checked.get("list") or "data/delivery/flagged.csv"
     return "\n".join([f"the delivery check left {count} flagged photo(s) open (policy {checked.get('policy')}; "
                       f"{held} held since an earlier week), listed in {where}:", *pairs,
-                      "fix their labels in the catalog, or clear them in data/delivery/cleared.csv (their sha256), "
-                      "then rerun `dvc repro gate` and commit; or promote anyway with --accept-flagged"])
+                      "fix their labels in the catalog, or clear them (`python -m cnnpipe.release.clear --note WHY "
+                      "--all`: data/delivery/cleared.csv), then rerun `dvc repro gate` and commit; or promote anyway "
+                      "with --accept-flagged"])
 
 
 def check_same_champion(now: dict[str, Any] | None, cfg: ReleaseConfig, verdict: dict[str, Any]) -> None:
