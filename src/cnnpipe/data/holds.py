@@ -59,14 +59,15 @@ def holds(records: np.ndarray, classes: Sequence[str], ledger: Ledger, listed: d
           cleared: np.ndarray) -> np.ndarray:
     """Which of `records` (labels into `classes`) stay held: the ledger holds them, or the last
     delivery list did, under the label they still have; and no person cleared them."""
-    names = np.asarray(list(classes) + [""], dtype=object)[records["label"].astype(np.int64)]
+    today = {name: k for k, name in enumerate(classes)}
+    labels = records["label"].astype(np.int64)
+    to_today = np.array([today.get(name, -1) for name in ledger.classes] + [-1], dtype=np.int64)  # -1 stays -1
     held_code = ledger.hold_label(records["digest"])
-    before = np.asarray(ledger.classes + [""], dtype=object)[held_code]  # -1 indexes ""
-    held = (held_code >= 0) & (before == names)
+    held = (held_code >= 0) & (to_today[held_code] == labels)  # label codes: no object per image
     if listed:
         wanted = np.frombuffer(b"".join(bytes.fromhex(h) for h in listed), dtype="S32")
         for i in np.flatnonzero(np.isin(records["digest"], wanted)).tolist():  # a delivery's flags: few
-            held[i] |= listed[records["digest"][i : i + 1].tobytes().hex()] == names[i]
+            held[i] |= today.get(listed[records["digest"][i : i + 1].tobytes().hex()], -1) == labels[i]
     return held & ~np.isin(records["digest"], cleared)
 
 

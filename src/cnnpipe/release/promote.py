@@ -140,10 +140,12 @@ def promote(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any], override: s
     import gto.api
     from gto.exceptions import GTOException
 
+    flags = open_flags(verdict)
+    unflagged = "\nand " + flags if flags and not accept_flagged else ""  # both said at once: one rerun fixes both
     if not verdict["blessed"] and not override:
         raise Refused("the gate did not bless this model:\n" + "\n".join(f"  - {r}" for r in verdict["reasons"])
-                      + "\nfix the data or the recipe, or promote anyway with --override \"why\" (recorded in the tags)")
-    flags = open_flags(verdict)
+                      + "\nfix the data or the recipe, or promote anyway with --override \"why\" (recorded in the tags)"
+                      + unflagged)
     if flags and not accept_flagged:
         raise Refused(flags)
     remote = remote_of(repo, cfg.remote)
