@@ -25,6 +25,7 @@ import numpy as np
 
 from cnnpipe.data.entries import DataError
 from cnnpipe.data.held_out import read_cleared as cleared_digests, sha256_column
+from cnnpipe.data.keys import find_sorted
 from cnnpipe.data.ledger import HOLD, Ledger
 from cnnpipe.data.store import SPLITS
 from cnnpipe.files import write_json
@@ -66,9 +67,15 @@ def holds(records: np.ndarray, classes: Sequence[str], ledger: Ledger, listed: d
     held = (held_code >= 0) & (to_today[held_code] == labels)  # label codes: no object per image
     if listed:
         wanted = np.frombuffer(b"".join(bytes.fromhex(h) for h in listed), dtype="S32")
-        for i in np.flatnonzero(np.isin(records["digest"], wanted)).tolist():  # a delivery's flags: few
+        for i in np.flatnonzero(among(records["digest"], wanted)).tolist():  # a delivery's flags: few
             held[i] |= today.get(listed[records["digest"][i : i + 1].tobytes().hex()], -1) == labels[i]
-    return held & ~np.isin(records["digest"], cleared)
+    return held & ~among(records["digest"], cleared)
+
+
+def among(digests: np.ndarray, few: np.ndarray) -> np.ndarray:
+    """Whether each of `digests` is one of the `few` (a binary search in them, not a sort of all)."""
+    few = np.sort(few)
+    return find_sorted(few, np.ones(len(few), dtype=np.int8), digests, missing=0).astype(bool)
 
 
 def apply_holds(records: np.ndarray, held: np.ndarray) -> np.ndarray:
@@ -89,10 +96,10 @@ def mark_store(store: Path, ledger: Ledger, held: np.ndarray, generation: int) -
         if not keys.exists():
             continue
         digests = np.load(keys)["sha256"]
-        arrived = ledger.arrived(digests)
+        arrived, trained = ledger.history(digests)
         arrived[arrived < 0] = generation - 1
-        trained = ledger.ever_trained(digests) | (split == "train")
-        on_hold = np.isin(digests, held)
+        trained |= split == "train"
+        on_hold = among(digests, held)
         np.save(store / f"{split}_arrived.npy", arrived.astype(np.int32))
         np.save(store / f"{split}_trained.npy", trained)
         np.save(store / f"{split}_held.npy", on_hold)

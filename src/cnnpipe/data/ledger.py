@@ -65,8 +65,7 @@ class Ledger:
     _record_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S54"))
     _held_digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S32"))
     _first_digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S32"))  # sorted
-    _first_segment: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    _trained_digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S32"))
+    _first_segment: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # 2 * segment + trained
     _hold_digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S32"))
     _hold_label: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
@@ -108,10 +107,12 @@ class Ledger:
         arrived, and the digests ever placed in train (what a model trained on some store may know)."""
         digests = np.concatenate([s["digest"] for s in segments]) if segments else np.zeros(0, dtype="S32")
         number = np.repeat(np.arange(len(segments)), [len(s) for s in segments])
-        self._first_digests, first = np.unique(digests, return_index=True)  # the first occurrence: its segment
-        self._first_segment = number[first].astype(np.int64)
-        trained = [s["digest"][s["split"] == 0] for s in segments]
-        self._trained_digests = np.unique(np.concatenate(trained)) if trained else np.zeros(0, dtype="S32")
+        in_train = np.concatenate([s["split"] == 0 for s in segments]) if segments else np.zeros(0, dtype=bool)
+        # One sorted table for both answers (a lookup of 32-byte keys is the cost at 10M images).
+        self._first_digests, first, inverse = np.unique(digests, return_index=True, return_inverse=True)
+        trained = np.zeros(len(self._first_digests), dtype=np.int64)
+        trained[inverse[in_train]] = 1
+        self._first_segment = number[first].astype(np.int64) * 2 + trained  # the first occurrence: its segment
 
     def _class_code(self, name: str) -> int:
         if name not in self.classes:
@@ -161,13 +162,11 @@ class Ledger:
         """Whether each digest was ever in val or test, before any reset too."""
         return np.isin(digests, self._held_digests)
 
-    def arrived(self, digests: np.ndarray) -> np.ndarray:
-        """The segment (0 = the first) in which each digest first arrived, -1 when never seen."""
-        return find_sorted(self._first_digests, self._first_segment, digests)
-
-    def ever_trained(self, digests: np.ndarray) -> np.ndarray:
-        """Whether each digest was ever in a training split, before any reset too."""
-        return np.isin(digests, self._trained_digests)
+    def history(self, digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per digest: the segment (0 = the first) in which it first arrived (-1: never seen), and
+        whether it was ever in a training split, before any reset too."""
+        both = find_sorted(self._first_digests, self._first_segment, digests)
+        return np.where(both >= 0, both // 2, -1), (both >= 0) & (both % 2 == 1)
 
     def hold_label(self, digests: np.ndarray) -> np.ndarray:
         """The label (into `self.classes`) each digest is held under by the delivery check, -1 if none."""
