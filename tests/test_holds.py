@@ -23,7 +23,7 @@ from cnnpipe.release.delivery import check_delivery, write_delivery
 from cnnpipe.release.production import ProductionUnknown
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.train import checkpoint as ckpt
-from conftest import base_params
+from conftest import base_params, tiny_params, write_params
 from test_delivery import CLASSES, COLOURS, colour_photo, probe_checkpoint, read_list, run_stage
 
 SWAPPED = [("red", "green", 40), ("green", "red", 40)]
@@ -193,3 +193,17 @@ def test_clear_records_the_photos_a_person_cleared_and_refuses_what_is_not_a_sha
     assert main(["--list", str(listed), "--cleared", str(cleared), "--note", "again", "--all"]) == 0  # the open ones
     assert cleared.read_text().splitlines() == ["sha256,note", f"{'cd' * 31}00,checked by Ana", f"{'ab' * 32},again"]
     assert len(read_cleared(cleared)) == 2 and "1 photo(s) added" in capsys.readouterr().out
+
+
+def test_training_records_the_generation_of_the_store_it_was_trained_on(tmp_path, prepared):
+    """What the next week's check compares arrivals with: `fit` writes index.json's generation into best.pt."""
+    from cnnpipe.params import load_params, resolve
+    from cnnpipe.train import trainer
+    from cnnpipe.train.distributed import DistInfo
+
+    store = shutil.copytree(prepared, tmp_path / "prepared")
+    index = json.loads((store / "index.json").read_text())
+    (store / "index.json").write_text(json.dumps({**index, "generation": 3}))
+    cfg = resolve(load_params(write_params(tmp_path / "params.yaml", tiny_params(epochs=1))), "baseline")
+    trainer.fit(cfg, DistInfo(), store, tmp_path / "models", tmp_path / "train.json", tmp_path / "live")
+    assert ckpt.load(tmp_path / "models" / "best.pt")["meta"]["data_generation"] == 3
