@@ -3,10 +3,11 @@
 The delivery stage lists the photos it flags (`data/delivery/flagged.csv`, a `held_out` column).
 The next prepare records each held photo in the split ledger (the `HOLD` flag on its record, with
 the label it was held under), so the hold outlives the week and any rerun: every store prepare
-writes marks them (`<split>_held.npy`), the delivery stage lists them again each week, and training,
+writes then marks them (`<split>_held.npy`), the delivery stage lists them each week, and training,
 evaluation and the gate leave them out. A hold ends when the catalog files the photo under another
 label (the fix), or when a person clears it: its sha256 in `data/delivery/cleared.csv`, a committed
-file (`sha256,note`), which both prepare and the delivery check read.
+file (`sha256,note`; `python -m cnnpipe.release.clear` writes it), which prepare and the delivery
+check both read.
 
 The store also carries, per image, what the ledger knows of its history (`mark_store`): the segment
 its bytes first arrived in (`<split>_arrived.npy`, against the `generation` in index.json that a
@@ -29,6 +30,7 @@ from cnnpipe.data.keys import find_sorted
 from cnnpipe.data.ledger import HOLD, Ledger
 from cnnpipe.data.store import SPLITS
 from cnnpipe.files import write_json
+
 
 def read_cleared(path: Path | None) -> np.ndarray:
     """`held_out.read_cleared`, its complaint a DataError (what prepare reports)."""
