@@ -9,7 +9,7 @@ from typing import Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_FILES = ("dvc.yaml", "params.yaml", "stages", "src", ".dvcignore", "pyproject.toml", ".gitignore",
-                 "weights/README.md", "data/raw/README.md")
+                 "weights/README.md", "data/raw/README.md", "data/delivery/cleared.csv")
 """What a copy needs to run the pipeline: the code, the params and the files git and DVC expect."""
 
 

@@ -22,12 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--champion", default="models/champion", help="the champion stage's output")
     parser.add_argument("--out", default="metrics/delivery.json")
     parser.add_argument("--list", default="data/delivery/flagged.csv", help="every flagged photo, one CSV row each")
+    parser.add_argument("--cleared", default="data/delivery/cleared.csv",
+                        help="sha256 of flagged photos a person cleared (a committed CSV: sha256,note)")
     args = parser.parse_args(argv)
     try:
         raw = load_params(args.params)
         cfg = release_config(raw)
         device = resolve_device(resolve(raw, "optimized").train.device)
-        report, files = check_delivery(Path(args.data), Path(args.champion), cfg, device)
+        report, files = check_delivery(Path(args.data), Path(args.champion), cfg, device, Path(args.cleared))
     except (ParamsError, UnsafeCheckpoint, FileNotFoundError, KeyError, ValueError) as exc:
         print(f"delivery: {exc}", file=sys.stderr)
         return 2
@@ -36,10 +38,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"delivery: {line}")
     for name in report["files"][:10]:
         print(f"delivery:   {name}")
-    if report["flagged"]:
+    if report.get("held_from_earlier_weeks"):
+        print(f"delivery: {report['held_from_earlier_weeks']} photo(s) flagged in an earlier week are still held out "
+              f"(status held in {args.list}): fix their labels in the catalog, or clear them in {args.cleared}")
+    if report.get("cleared"):
+        print(f"delivery: {report['cleared']} flagged photo(s) cleared in {args.cleared}: not held out")
+    fresh = sum(f["status"] == "flagged" for f in files)
+    if report["flagged"] or report.get("open_flags"):
         more = f" (the first {len(report['files'])} in {args.out})" if report["files"] else ""
         print(f"delivery: every flagged photo is listed in {args.list}{more}")
-        if cfg.delivery.policy == "stop":
+        if cfg.delivery.policy == "hold_out" and report.get("open_flags"):
+            print(f"delivery: {report['open_flags']} photo(s) held out of training, validation and the test split; "
+                  "`python -m cnnpipe.promote` asks for --accept-flagged while any is open")
+        if cfg.delivery.policy == "stop" and fresh:
             print(f"delivery: STOP (release.delivery.policy: stop): training does not start. Fix the labels of the "
                   f"photos listed in {args.list} in the catalog, or rerun with `-S release.delivery.policy=report`",
                   file=sys.stderr)

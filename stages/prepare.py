@@ -17,11 +17,16 @@ def main() -> int:
     parser.add_argument("--out", default="data/prepared", help="prepared data directory")
     parser.add_argument("--ledger", default=None, help="split ledger directory (default: <out>_ledger)")
     parser.add_argument("--report", default="metrics/data_report.json")
+    parser.add_argument("--held-out", default=None,
+                        help="the last delivery list (data/delivery/flagged.csv): its held photos stay held")
+    parser.add_argument("--cleared", default=None, help="sha256 of held photos a person cleared (a committed CSV)")
     args = parser.parse_args()
     try:
         raw = load_params(args.params)
         report = prepare(data_config(raw), raw.get("seed", 0), Path(args.out), Path(args.report),
-                         Path(args.ledger) if args.ledger else None)
+                         Path(args.ledger) if args.ledger else None,
+                         held_out=Path(args.held_out) if args.held_out else None,
+                         cleared=Path(args.cleared) if args.cleared else None)
     except (ParamsError, DataError, DatasetMissing, DecodersFailed) as exc:
         print(f"prepare: {exc}", file=sys.stderr)
         return 2
@@ -38,6 +43,10 @@ def main() -> int:
         print(f"prepare: {ledger['started']}")
     print(f"prepare: split ledger: {ledger['records_added']} record(s) added, {ledger['segments']} segment(s)"
           + (f"; splits redrawn ({ledger['reset']})" if ledger.get("reset") else ""))
+    held = sum(report["holds"]["held"].values())
+    if held:
+        print(f"prepare: {held} photo(s) held out by the delivery check until their label changes or they are "
+              "cleared (data/delivery/cleared.csv)")
     if ledger.get("rule_changed") and not ledger.get("reset"):
         print("prepare: WARNING: the seed or the split fractions changed: images the split ledger knows keep their "
               "splits, new ones are drawn by the new rule; set data.split_reset to a new name to redraw them all",

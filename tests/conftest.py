@@ -102,7 +102,7 @@ def base_params() -> dict:
 
 
 PROJECT_FILES = ("dvc.yaml", "stages", "src", ".dvc/config", ".dvc/plots", ".dvcignore", "pyproject.toml",
-                 "data/raw/README.md", "weights/README.md", ".gitignore")
+                 "data/raw/README.md", "weights/README.md", ".gitignore", "data/delivery/cleared.csv")
 """What a user's checkout of the project holds, for the tests that run real `dvc` in a copy of it."""
 
 

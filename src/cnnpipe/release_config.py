@@ -15,10 +15,12 @@ class DeliveryConfig:
     """`release.delivery:` the check of a week's new photos against the champion before training
     (`cnnpipe.release.delivery`; docs/weekly-loop.md has its measured precision and recall)."""
 
-    policy: Literal["report", "hold_out", "stop"] = "report"
-    """What a flag does: `report` lists the photos and trains on; `hold_out` also keeps them out of
-    training, validation and the test split this week (nothing is deleted); `stop` fails the delivery
-    stage, so training does not start, naming the list's file."""
+    policy: Literal["report", "hold_out", "stop"] = "hold_out"
+    """What a flag does: `hold_out` (the default: fail closed) lists the photos and keeps them out of
+    training, validation and the test split until their label changes or a person clears them
+    (`data/delivery/cleared.csv`; nothing is deleted); `report` only lists them and trains on; `stop`
+    fails the delivery stage, so training does not start, naming the list's file. Whatever the
+    policy, promote asks for `--accept-flagged` while flagged photos are open."""
     confidence: float = 0.8
     """A new photo counts as a disagreement when the champion's calibrated probability of another
     class is at least this."""

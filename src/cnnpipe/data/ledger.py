@@ -39,6 +39,7 @@ RECORD = np.dtype([("digest", "S32"), ("path", "<u8"), ("group", "<u8"), ("label
 group's key (0: none), its class (into the segment's `classes`), its split (into SPLITS) and FLAGS."""
 GIVEN = 1         # the split is the one the source gave (a split folder, a manifest's split cell)
 HELD_BEFORE = 2   # held out (val or test) at some time, before a reset too
+HOLD = 4          # kept out of training and testing by the delivery check, under this label, until cleared
 
 
 def group_prefix(group_keys: np.ndarray) -> np.ndarray:
@@ -63,6 +64,10 @@ class Ledger:
     _path_flags: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
     _record_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S54"))
     _held_digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S32"))
+    _first_digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S32"))  # sorted
+    _first_segment: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # 2 * segment + trained
+    _hold_digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S32"))
+    _hold_label: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @classmethod
     def read(cls, tree: Tree | None) -> Ledger:
@@ -75,16 +80,18 @@ class Ledger:
         ledger.resets = [h["reset"] for h in headers if h.get("reset")]
         ledger.rule = headers[-1]["rule"] if headers else None
         last_reset = max((k for k, h in enumerate(headers) if h.get("reset")), default=0)
-        parts, held = [], []
+        parts, held, seen = [], [], []
         for k, header in enumerate(headers):
             records = np.load(tree.path(f"{SEGMENTS}/{header['name']}.npy"))
             codes = np.array([ledger._class_code(name) for name in header["classes"]], dtype=np.uint32)
             records["label"] = codes[records["label"]] if len(records) else records["label"]
             held.append(records["digest"][(records["split"] > 0) | (records["flags"] & HELD_BEFORE > 0)])
+            seen.append(records[["digest", "split"]])
             if k >= last_reset:
                 parts.append(records)
         ledger._index(np.concatenate(parts) if parts else np.zeros(0, dtype=RECORD),
                       np.unique(np.concatenate(held)) if held else np.zeros(0, dtype="S32"))
+        ledger._history(seen)
         return ledger
 
     @classmethod
@@ -92,7 +99,20 @@ class Ledger:
         """A ledger of these records alone (labels into `classes`), as if read from one segment."""
         ledger = cls(classes=list(classes), segments=1)
         ledger._index(records, np.unique(records["digest"][(records["split"] > 0) | (records["flags"] & HELD_BEFORE > 0)]))
+        ledger._history([records[["digest", "split"]]])
         return ledger
+
+    def _history(self, segments: list[np.ndarray]) -> None:
+        """From every segment (before a reset too), in order: the segment where each digest first
+        arrived, and the digests ever placed in train (what a model trained on some store may know)."""
+        digests = np.concatenate([s["digest"] for s in segments]) if segments else np.zeros(0, dtype="S32")
+        number = np.repeat(np.arange(len(segments)), [len(s) for s in segments])
+        in_train = np.concatenate([s["split"] == 0 for s in segments]) if segments else np.zeros(0, dtype=bool)
+        # One sorted table for both answers (a lookup of 32-byte keys is the cost at 10M images).
+        self._first_digests, first, inverse = np.unique(digests, return_index=True, return_inverse=True)
+        trained = np.zeros(len(self._first_digests), dtype=np.int64)
+        trained[inverse[in_train]] = 1
+        self._first_segment = number[first].astype(np.int64) * 2 + trained  # the first occurrence: its segment
 
     def _class_code(self, name: str) -> int:
         if name not in self.classes:
@@ -111,6 +131,8 @@ class Ledger:
         self._digests, self._digest_split = ordered["digest"][top], ordered["split"][top]
         newest = records[last_of_runs(records["digest"])]  # sorted by digest, the last written per digest
         self._digest_label = newest["label"].astype(np.int64)
+        hold = newest[newest["flags"] & HOLD > 0]  # a digest's hold: its latest record says so
+        self._hold_digests, self._hold_label = hold["digest"], hold["label"].astype(np.int64)
         # By path: the file's latest record, whatever its bytes.
         by_path = records[last_of_runs(records["path"])]
         self._paths, self._path_split, self._path_flags = by_path["path"], by_path["split"], by_path["flags"]
@@ -139,6 +161,16 @@ class Ledger:
     def ever_held_out(self, digests: np.ndarray) -> np.ndarray:
         """Whether each digest was ever in val or test, before any reset too."""
         return np.isin(digests, self._held_digests)
+
+    def history(self, digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per digest: the segment (0 = the first) in which it first arrived (-1: never seen), and
+        whether it was ever in a training split, before any reset too."""
+        both = find_sorted(self._first_digests, self._first_segment, digests)
+        return np.where(both >= 0, both // 2, -1), (both >= 0) & (both % 2 == 1)
+
+    def hold_label(self, digests: np.ndarray) -> np.ndarray:
+        """The label (into `self.classes`) each digest is held under by the delivery check, -1 if none."""
+        return find_sorted(self._hold_digests, self._hold_label, digests)
 
     def unchanged(self, records: np.ndarray) -> np.ndarray:
         """Which of `records` the ledger already holds as they are (same file, split, label, group, flags)."""

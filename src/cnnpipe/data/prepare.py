@@ -23,6 +23,7 @@ from cnnpipe.data import codec, idx
 from cnnpipe.data.catalog import DataError, Listing, list_source
 from cnnpipe.data.ingest import Ingested, ingest, recipe, usable_cores
 from cnnpipe.data.journal import Journal
+from cnnpipe.data.holds import apply_holds, holds, last_list, mark_store, read_cleared, read_held_list
 from cnnpipe.data.keys import HexDigests, digest_at, path_keys
 from cnnpipe.data.ledger import RECORD, Ledger, records_from_store, write_ledger
 from cnnpipe.data.lineage import another_catalog, catalog_identity, missing_history, recorded_catalog
@@ -285,9 +286,12 @@ def _ledger_update(ledger: Ledger, records: np.ndarray, paths: list[str], reset:
 
 
 # --------------------------------------------------------------------------- entry point
-def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger_dir: Path | None = None) -> dict[str, Any]:
+def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger_dir: Path | None = None,
+            held_out: Path | None = None, cleared: Path | None = None) -> dict[str, Any]:
     """Write the prepared data set to `out_dir`, its split ledger to `ledger_dir` (default: beside
-    it, `<out_dir>_ledger`) and the data report to `report_path`.
+    it, `<out_dir>_ledger`) and the data report to `report_path`. The photos the last delivery list
+    `held_out` holds out, and those the ledger already holds, stay held under their label unless
+    cleared in `cleared` (`data.holds`).
 
     The new store and ledger are written beside the old ones (`<name>.new`) and swapped in by renames
     (`swap`), so no file of the old store is ever rewritten: a trainer that has it memory-mapped (a
@@ -302,6 +306,9 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
     work = out_dir.with_name(out_dir.name + ".work")
     store, ledger_found = find_previous(out_dir), find_previous(ledger_dir)
     rule = split_rule(seed, cfg.val_fraction, cfg.test_fraction)
+    # The last list's holds belong to the ledger found: without one (a new catalog, a first run) none apply.
+    listed = read_held_list(last_list(held_out)) if ledger_found.tree is not None else {}
+    cleared_digests = read_cleared(cleared)
     new_store.mkdir(parents=True)
     started = None
     try:
@@ -324,6 +331,8 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
                               for c in current], dtype=np.uint32)
             records["label"] = remap[records["label"]] if len(records) else records["label"]
             (new_store / SPLIT_RULE_FILE).write_text(json.dumps(rule))
+        held = holds(records, classes, ledger, listed, cleared_digests)
+        records = apply_holds(records, held)
         fresh, fresh_paths = _ledger_update(ledger, records, paths, reset)
         header = {"rule": rule, "reset": cfg.split_reset if reset else None, "source": str(cfg.source),
                   "catalog": identity}
@@ -333,6 +342,7 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
                             "resets": ledger.resets + ([header["reset"]] if reset else []), "catalog": identity,
                             "rule_changed": ledger.rule is not None and ledger.rule != rule,
                             "read_from": ledger_found.tree.origin if ledger_found.tree else None}
+        report["holds"] = mark_store(new_store, ledger, records["digest"][held], done["segments"])
     except BaseException:
         shutil.rmtree(new_store, ignore_errors=True)
         shutil.rmtree(new_ledger, ignore_errors=True)

@@ -15,6 +15,10 @@ Layout of a prepared directory::
     <split>_labels.npy       int64 labels
     <split>_keys.npy         each image's sha256 and the key of its file's path, size and mtime
     <split>_new.npy          bool: the image's bytes are new since the previous store (`new_rows`)
+    <split>_arrived.npy      int32: the split ledger's segment its bytes first arrived in (`data.holds`;
+                             index.json's `generation` counts the segments)
+    <split>_trained.npy      bool: its bytes were ever in a training split (the ledger)
+    <split>_held.npy         bool: held out by the delivery check until relabelled or cleared
     <split>_meta.jsonl       one line per image: source path and sha256 of the source bytes (and, for
                              image files, their size and mtime: unchanged files are not read again)
     recipe.json              the decoding rules and size (image files only): which stores can share pixels

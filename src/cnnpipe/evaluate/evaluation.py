@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cnnpipe.data.held_out import open_kept
+from cnnpipe.data.held_out import open_judged
 from cnnpipe.data.loaders import build_eval_loader
 from cnnpipe.data.store import read_index, test_sources
 from cnnpipe.evaluate.gallery import most_confident_mistakes, save_gallery
@@ -100,9 +100,11 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
              max_images: int | None = None, gallery_size: int = 16, held_out: Path | None = None) -> dict[str, Any]:
     """Write eval.json, classes.json, classes.md, confusion.csv, predictions.csv, calibration.csv (with
     the fitted temperature), calibration_raw.csv (without) and mistakes.png to `out_dir`; the test
-    photos the delivery check's list `held_out` holds out are left out (`data.held_out`)."""
+    photos the delivery check's list `held_out` holds out, and those whose bytes were ever in a training
+    split (a model may have memorised them: counted in `once_trained_on_left_out`), are left out
+    (`data.held_out.open_judged`)."""
     model, meta = load_trained(model_dir, device)
-    split, kept = open_kept(prepared_dir, "test", held_out, limit=max_images)
+    split, kept, memorised = open_judged(prepared_dir, "test", held_out, limit=max_images)
     loader = build_eval_loader(split, batch_size=256)
     t0 = time.perf_counter()
     raw, labels = predict(model, loader, make_transform(meta), device, meta["amp"])
@@ -126,7 +128,11 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
         "peak_mem_mb": peak_mem_mb(device), "device": device.type, "amp": meta["amp"],
         "weights": meta["weights"],
         "warnings": split_warnings(n, read_index(prepared_dir).get("carved", [])),
+        "once_trained_on_left_out": memorised,
     }
+    if memorised:
+        result["warnings"].append(f"{memorised} test image(s) were in a training split before (the split ledger): "
+                                  "left out of these numbers, since a model may have memorised them")
     classes = meta["classes"]
     mistakes = most_confident_mistakes(logits, labels, gallery_size)
     out_dir.mkdir(parents=True, exist_ok=True)

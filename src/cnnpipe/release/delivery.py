@@ -1,8 +1,10 @@
 """The delivery check: this week's new photos against the champion, before any training.
 
 A supplier who files one product type under another's folder is the loop's most common bad week.
-The model in production already knows what those photos are: for each photo new since the previous
-store (`store.new_rows`, every split), the champion's calibrated answer (softmax of its logits over
+The model in production already knows what those photos are: for each photo its data did not hold
+(the ledger's arrival segment, `<split>_arrived.npy`, at or after the store generation the champion
+records: so a second prepare in the week checks the same photos; a champion older than those marks:
+new since the previous store), every split, the champion's calibrated answer (softmax of its logits over
 its fitted temperature, so "80% sure" means what it says). A photo filed under a that the
 champion is confident is another class is a confident disagreement. The test runs in two stages:
 
@@ -27,15 +29,18 @@ pair is named only inside a class that failed. The idea is confident learning's 
 per-class thresholds.
 
 The flagged photos (a flagged pair's confident disagreements, or all of a flagged class's when none of its
-pairs stands out on its own) are listed by file;
-under `policy: hold_out` their lines say so and training, evaluation and the gate leave them out
-(`data.held_out`). Nothing is removed from the store, the catalog or the split ledger.
+pairs stands out on its own) are listed by file; under `policy: hold_out` (the default) their lines say so and
+training, evaluation and the gate leave them out (`data.held_out`); the next prepare records the hold in the
+split ledger, and every later week lists the photos still held (`status: held`) until their label changes or a
+person clears them in `data/delivery/cleared.csv` (`data.holds`; a cleared photo is listed, never held).
+Nothing is removed from the store, the catalog or the split ledger.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +48,7 @@ import numpy as np
 import torch
 from scipy.stats import betabinom
 
-from cnnpipe.data.held_out import subset
+from cnnpipe.data.held_out import read_cleared, store_mark, subset
 from cnnpipe.data.store import PreparedSplit, SPLITS, new_rows, open_split, read_index
 from cnnpipe.files import CHAMPION_FILE, write_json
 from cnnpipe.release.verdict import logit_batches
@@ -53,7 +58,8 @@ from cnnpipe.train.trained import load_trained
 
 OTHER_CLASSES = "(several other classes)"  # the predicted name of a flagged class's row when no one pair stands out
 FIRST_FILES = 100  # how many flagged files delivery.json names (the list file has them all)
-LIST_COLUMNS = ["source", "sha256", "split", "given", "predicted", "confidence", "held_out"]
+LIST_COLUMNS = ["source", "sha256", "split", "given", "predicted", "confidence", "held_out", "status"]
+"""`status`: flagged (by this check), held (by the ledger since an earlier week) or cleared (by a person)."""
 
 
 def calibrated_answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit,
@@ -171,10 +177,57 @@ def _passes(about: dict[str, Any], cfg: DeliveryConfig, reason: str, new: int = 
             "champion": about.get("version"), "new_images": new, "flagged_images": 0, "pairs": [], "files": []}
 
 
-def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
-                   device: torch.device) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Check the store's new photos against the champion in `champion_dir` (the champion stage's
-    output). Returns the report (delivery.json) and the flagged photos, one dict per file."""
+def new_to_champion(prepared_dir: Path, splits: list[str], meta: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Per split, which photos the champion's data did not hold: arrived at or after the generation of
+    the store it was trained on; for a champion or a store older than those records, new since the
+    previous store (None where the store has no marks at all). With what they are new since."""
+    generation = meta.get("data_generation")
+    arrived = {s: store_mark(prepared_dir, s, "arrived") for s in splits}
+    if generation is not None and all(a is not None for a in arrived.values()):
+        return {s: a >= generation for s, a in arrived.items()}, f"the champion's data (store generation {generation})"
+    return {s: new_rows(prepared_dir, s) for s in splits}, "the previous store (the champion predates arrival marks)"
+
+
+def carried_holds(prepared_dir: Path, splits: list[str], classes: list[str],
+                  flagged: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    """The photos the ledger still holds (the store's `<split>_held.npy`) that this check did not flag
+    again: listed each week, held whatever the policy, until cleared or relabelled."""
+    files = []
+    for split in splits:
+        held = store_mark(prepared_dir, split, "held")
+        rows = np.array([r for r in np.flatnonzero(held) if (split, int(r)) not in flagged] if held is not None else [],
+                        np.int64)
+        if len(rows):
+            labels = np.load(Path(prepared_dir) / f"{split}_labels.npy", mmap_mode="r")[rows]
+            files += [{**src, "split": split, "given": classes[label], "predicted": "", "confidence": "",
+                       "held_out": True, "status": "held"}
+                      for src, label in zip(_sources(prepared_dir, split, rows), labels.tolist())]
+    return files
+
+
+def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig, device: torch.device,
+                   cleared: Path | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Check the store's photos new to the champion in `champion_dir` (the champion stage's output);
+    list the photos the ledger still holds and, as cleared, the flagged ones whose sha256 the committed
+    file `cleared` lists. Returns the report (delivery.json) and the listed photos, one dict per file."""
+    report, files = _check(prepared_dir, champion_dir, cfg, device)
+    index = read_index(prepared_dir)
+    raw = read_cleared(cleared).tobytes()  # (not .tolist(): numpy drops a digest's trailing zero bytes)
+    done = {raw[k : k + 32].hex() for k in range(0, len(raw), 32)}
+    for f in files:
+        if f["sha256"] in done:
+            f.update(held_out=False, status="cleared")
+    flagged = {(f["split"], f.pop("row")) for f in files}
+    files += carried_holds(prepared_dir, [s for s in SPLITS if s in index["splits"]], list(index["classes"]), flagged)
+    status = Counter(f["status"] for f in files)
+    report.update(held_from_earlier_weeks=status["held"], cleared=status["cleared"],
+                  open_flags=status["flagged"] + status["held"],
+                  files=[f["source"] for f in files if f["status"] != "cleared"][:FIRST_FILES])
+    return report, files
+
+
+def _check(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
+           device: torch.device) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     rules = cfg.delivery
     index = read_index(prepared_dir)
     classes = list(index["classes"])
@@ -182,11 +235,11 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
     about = json.loads(about_path.read_text()) if about_path.exists() else {}
     if not (Path(champion_dir) / "best.pt").exists():
         return _passes(about, rules, "no champion yet: nothing to check the new photos against"), []
-    marks = {s: new_rows(prepared_dir, s) for s in SPLITS if s in index["splits"]}
+    model, meta = load_trained(Path(champion_dir), device)
+    marks, since = new_to_champion(prepared_dir, [s for s in SPLITS if s in index["splits"]], meta)
     if any(v is None for v in marks.values()):
         return _passes(about, rules, "the store predates new-photo marks: rerun `dvc repro prepare`"), []
     new_total = int(sum(v.sum() for v in marks.values()))
-    model, meta = load_trained(Path(champion_dir), device)
     other = recipe_differences(recipe_of(meta), store_recipe(index), STORE_KEYS)
     if other:
         return _passes(about, rules, f"the champion was trained on other inputs than this store ({'; '.join(other)}): "
@@ -209,7 +262,12 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
             split_of.append(np.full(len(rows), number))
             row_of.append(rows)
     test = open_split(prepared_dir, "test")
-    old = np.flatnonzero(~marks["test"])
+    # The reference: test photos the champion's data held, less those held out (their labels are in
+    # doubt) and those once in a training split (it may have memorised them).
+    leave = np.array(marks["test"], bool)
+    for doubtful in (store_mark(prepared_dir, "test", "held"), store_mark(prepared_dir, "test", "trained")):
+        leave |= doubtful if doubtful is not None else False
+    old = np.flatnonzero(~leave)
     ref_pred, ref_conf = calibrated_answers(model, meta, subset(test, old), device)
     cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
     given_all, pred_all, conf_all = cat(given, np.int64), cat(pred, np.int64), cat(conf, np.float32)
@@ -224,11 +282,11 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
         for i, src in zip(mine.tolist(), _sources(prepared_dir, split, row_all[mine])):
             files.append({**src, "split": split, "given": classes[given_all[i]],
                           "predicted": classes[pred_all[i]], "confidence": round(float(conf_all[i]), 4),
-                          "held_out": rules.policy == "hold_out"})
+                          "held_out": rules.policy == "hold_out", "status": "flagged", "row": int(row_all[i])})
     files.sort(key=lambda f: (f["given"], f["predicted"], -f["confidence"]))
     flagged_pairs = [r for r in pairs if r["flagged"]]
     report = {"checked": True, "reason": None, "flagged": bool(flagged_pairs), "policy": rules.policy,
-              "champion": about.get("version"), "new_images": new_total,
+              "champion": about.get("version"), "new_images": new_total, "new_since": since,
               "checked_images": int(checked[given_all].sum()),
               "test_images": len(old), "unknown_to_champion": [classes[i] for i in np.flatnonzero(~checked)],
               "confident_disagreements": int(sum(r["images"] for r in pairs)),
@@ -248,7 +306,8 @@ def write_delivery(report: dict[str, Any], files: list[dict[str, Any]], metrics_
     with open(temp, "w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=LIST_COLUMNS)
         writer.writeheader()
-        writer.writerows({**f, "held_out": "true" if f["held_out"] else "false"} for f in files)
+        writer.writerows({**{k: f.get(k, "") for k in LIST_COLUMNS}, "held_out": "true" if f["held_out"] else "false"}
+                         for f in files)
     temp.replace(list_path)
     write_json(metrics_path, {**report, "list": str(list_path)})
 

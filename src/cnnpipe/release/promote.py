@@ -1,7 +1,8 @@
 """Promote this commit's model, the GTO way, and publish it: `python -m cnnpipe.promote`.
 
 Refuses, with exit code 2 and the reasons, when: the model was not blessed (unless `--override
-"why"`, which goes into the tags), the gate judged against another champion than the one in the
+"why"`, which goes into the tags), the delivery check left flagged photos open (named; unless
+`--accept-flagged`, said in the tags), the gate judged against another champion than the one in the
 stage now, the working tree (an untracked file included) or dvc.lock is not committed, the pipeline
 is not up to date with dvc.lock, the model is not in the DVC remote, the commit is not on the git
 remote's main branch, or this clone's
@@ -41,6 +42,7 @@ from cnnpipe.release.production import (
 )
 
 FIRST_VERSION = "v0.1.0"
+ACCEPTED = "ACCEPTED with --accept-flagged"  # in the tags' message: what verify looks for
 
 
 class Refused(RuntimeError):
@@ -109,6 +111,26 @@ def check_on_main(repo: Path, remote: str) -> None:
                       "history every clone and CI check out")
 
 
+def open_flags(verdict: dict[str, Any]) -> str | None:
+    """What the delivery check left open (photos flagged this week or held since, not cleared), as the
+    lines of a refusal; None when nothing is open (or the verdict predates the delivery check)."""
+    checked = verdict.get("delivery") or {}
+    count = checked.get("open_flags")
+    if count is None:  # a report older than holds: its flags are this week's
+        count = checked.get("flagged_images") or 0 if checked.get("flagged") else 0
+    if not count:
+        return None
+    pairs = [f"  - {r['images']} of {r['of']} new {r['given']!r} photos look like {r['predicted']!r}"
+             for r in checked.get("pairs") or []]
+    held = checked.get("held_from_earlier_weeks") or 0
+    where = checked.get("list") or "data/delivery/flagged.csv"
+    return "\n".join([f"the delivery check left {count} flagged photo(s) open (policy {checked.get('policy')}; "
+                      f"{held} held since an earlier week), listed in {where}:", *pairs,
+                      "fix their labels in the catalog, or clear them (`python -m cnnpipe.release.clear --note WHY "
+                      "--all`: data/delivery/cleared.csv), then rerun `dvc repro gate` and commit; or promote anyway "
+                      "with --accept-flagged"])
+
+
 def check_same_champion(now: dict[str, Any] | None, cfg: ReleaseConfig, verdict: dict[str, Any]) -> None:
     """Refuse a verdict judged against another champion than the one in the stage now (the stage
     moved since `dvc repro gate`)."""
@@ -152,14 +174,21 @@ def publish(repo: Path, remote: str | None, tags: list[str]) -> None:
 
 
 def promote(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any], override: str | None = None,
-            model_stage: str = "train@optimized", gate: Path = Path("metrics/gate.json")) -> tuple[str, list[str], bool]:
-    """Register, assign and publish; returns the version, its tags and whether anything was new."""
+            model_stage: str = "train@optimized", gate: Path = Path("metrics/gate.json"),
+            accept_flagged: bool = False) -> tuple[str, list[str], bool]:
+    """Register, assign and publish; returns the version, its tags and whether anything was new. Open
+    delivery flags refuse it unless `accept_flagged` (recorded in the tags)."""
     import gto.api
     from gto.exceptions import GTOException
 
+    flags = open_flags(verdict)
+    unflagged = "\nand " + flags if flags and not accept_flagged else ""  # both said at once: one rerun fixes both
     if not verdict["blessed"] and not override:
         raise Refused("the gate did not bless this model:\n" + "\n".join(f"  - {r}" for r in verdict["reasons"])
-                      + "\nfix the data or the recipe, or promote anyway with --override \"why\" (recorded in the tags)")
+                      + "\nfix the data or the recipe, or promote anyway with --override \"why\" (recorded in the tags)"
+                      + unflagged)
+    if flags and not accept_flagged:
+        raise Refused(flags)
     remote = remote_of(repo, cfg.remote)
     if remote is None and cfg.remote is not None:
         raise Refused(f"this repository has no git remote {cfg.remote!r} to publish the tags to: add it "
@@ -186,6 +215,9 @@ def promote(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any], override: s
     if override:
         who = _run(["git", "config", "user.name"], repo).stdout.strip() or "unknown"
         message = f"OVERRIDE by {who}: {override}. {message}"
+    if flags:  # after the gate's words, so that an override still leads the message
+        who = _run(["git", "config", "user.name"], repo).stdout.strip() or "unknown"
+        message = f"{message} Delivery: {flags.splitlines()[0].rstrip(':')}: {ACCEPTED} by {who}."
     versions = [e for e in events if e.action == "register" and e.commit == head]
     try:
         if versions:
@@ -215,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     parser.add_argument("--gate", type=Path, default=Path("metrics/gate.json"), help="the gate stage's verdict")
     parser.add_argument("--override", metavar="WHY", help="promote a model the gate refused; WHY goes into the tags")
+    parser.add_argument("--accept-flagged", action="store_true",
+                        help="promote although the delivery check left flagged photos open (said in the tags)")
     args = parser.parse_args(argv)
     repo = args.repo.resolve()
     try:
@@ -222,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (repo / args.gate).exists():
             raise Refused(f"{args.gate} not found: run `dvc repro gate` first")
         verdict = json.loads((repo / args.gate).read_text())
-        version, tags, new = promote(repo, cfg, verdict, args.override, gate=args.gate)
+        version, tags, new = promote(repo, cfg, verdict, args.override, gate=args.gate,
+                                     accept_flagged=args.accept_flagged)
     except (Refused, ParamsError) as exc:
         print(f"promote: REFUSED: {exc}", file=sys.stderr)
         return 2

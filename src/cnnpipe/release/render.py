@@ -33,13 +33,23 @@ def _delivery_lines(delivery: dict[str, Any] | None) -> list[str]:
         return []
     if not delivery.get("flagged"):
         said = "nothing flagged" if delivery.get("checked") else f"not checked: {delivery.get('reason')}"
-        return ["", f"Delivery check: {said} ({delivery.get('new_images', 0):,} new photos)."]
+        return ["", f"Delivery check: {said} ({delivery.get('new_images', 0):,} new photos).", *_open_lines(delivery)[1:]]
     lines = ["", f"## Delivery check: {delivery['flagged_images']:,} of {delivery['new_images']:,} new photos flagged "
              f"(policy `{delivery['policy']}`; every one in `{delivery.get('list')}`)", "",
              "| Filed as | Looks like | Photos | Share | Expected | p (Holm) |", "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {_cell(r['given'])} | {_cell(r['predicted'])} | {r['images']} of {r['of']} | {r['share']:.0%} | "
               f"{r['expected']:.1%} | {_p(r['p_holm'])} |" for r in delivery["pairs"]]
-    return lines
+    return lines + _open_lines(delivery)
+
+
+def _open_lines(delivery: dict[str, Any]) -> list[str]:
+    """Photos held since earlier weeks and what promote will ask while any flag is open."""
+    held, cleared, open_ = (delivery.get(k) or 0 for k in ("held_from_earlier_weeks", "cleared", "open_flags"))
+    lines = [f"{held:,} photo(s) flagged in an earlier week are still held out."] if held else []
+    lines += [f"{cleared:,} flagged photo(s) cleared in `data/delivery/cleared.csv`."] if cleared else []
+    if open_:
+        lines.append(f"{open_:,} flagged photo(s) open: `python -m cnnpipe.promote` asks for `--accept-flagged`.")
+    return ["", *lines] if lines else []
 
 
 def render(verdict: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cnnpipe.release_config import ReleaseConfig
-from cnnpipe.data.held_out import open_kept
+from cnnpipe.data.held_out import open_judged
 from cnnpipe.data.loaders import build_eval_loader
 from cnnpipe.data.store import PreparedSplit, read_index
 from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
@@ -64,11 +64,12 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
     """Judge the challenger (`challenger`/best.pt, its eval.json in `challenger_metrics`) against the
     champion stage's output in `champion`; write gate.json and gate.md to `out_dir`. The slices and the
     week's relabels (from prepare's `data_report`) are reported beside the verdict, and the delivery
-    check's flags when its report `delivery` exists; the test photos its list `held_out` holds out are
-    left out of both models' test (`data.held_out`)."""
+    check's flags when its report `delivery` exists; the test photos its list `held_out` holds out,
+    and those whose bytes were ever in a training split (a model may have memorised them), are left
+    out of both models' test (`data.held_out.open_judged`), the latter counted in the verdict."""
     index = read_index(prepared_dir)
     classes, store = list(index["classes"]), store_recipe(index)
-    split, kept = open_kept(prepared_dir, "test", held_out)
+    split, kept, memorised = open_judged(prepared_dir, "test", held_out)
     metrics = json.loads((challenger_metrics / "eval.json").read_text())
     about = json.loads((champion / CHAMPION_FILE).read_text()) if (champion / CHAMPION_FILE).exists() else {}
     rules = GateRules.from_config(cfg)
@@ -102,10 +103,14 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
             verdict = judge(split.labels, their_pred, ours, classes, their_meta["classes"], rules, ours_known,
                             metrics=metrics, slices=slice_masks(prepared_dir, kept))
     verdict["relabels"], relabelled = week_relabels(data_report, index, cfg.max_relabel_share)
+    if memorised:
+        notes.append(f"{memorised} test image(s) were in a training split before (the split ledger): a model may "
+                     "have learned them, so they are left out of the comparison")
     verdict["warnings"] = verdict.get("warnings", []) + notes + relabelled
     verdict["champion"] = about or None
     verdict["challenger"] = {"model": str(challenger / "best.pt"), "sha256": file_sha256(challenger / "best.pt"),
-                             "input": recipe_of(meta), "test_images": len(split)}
+                             "input": recipe_of(meta), "test_images": len(split),
+                             "test_images_once_trained_on": memorised}
     verdict["rules"] = {"margin": cfg.margin, "confidence": rules.confidence, "power": rules.power,
                         "class_confidence": rules.class_confidence,
                         "min_support": cfg.min_support, "max_class_drop": cfg.max_class_drop,
@@ -116,7 +121,8 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
     if delivery is not None and delivery.exists():  # the week's flags, repeated (not a reason to refuse)
         checked = json.loads(delivery.read_text())
         verdict["delivery"] = {k: checked.get(k) for k in ("checked", "reason", "flagged", "policy", "new_images",
-                                                            "flagged_images", "pairs", "list")}
+                                                            "new_since", "flagged_images", "pairs", "list",
+                                                            "held_from_earlier_weeks", "cleared", "open_flags")}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "gate.json", verdict)
     (out_dir / "gate.md").write_text(render(verdict), encoding="utf-8")

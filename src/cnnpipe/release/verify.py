@@ -4,6 +4,8 @@ Exits 0 only when, at the commit the tag (or ref) names:
 
 - metrics/gate.json says `blessed`, or a GTO tag of the artifact on that commit records an override
   (`OVERRIDE by ...`, as `python -m cnnpipe.promote --override` writes);
+- the delivery check left no flagged photo open, or a tag on that commit records the acknowledgement
+  (`python -m cnnpipe.promote --accept-flagged`);
 - that gate.json is the gate stage's own output (its md5 is the one dvc.lock records for it);
 - the gate judged that commit's model: the gate stage's recorded input `models/optimized` has the
   hash dvc.lock records for train@optimized's output, the artifact's folder;
@@ -31,6 +33,7 @@ from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.release.champion import artifact_path
 from cnnpipe.release.production import ProductionUnknown, artifact_events, git
 from cnnpipe.release.remote import ModelUnchecked, Remote
+from cnnpipe.release.promote import ACCEPTED, open_flags
 
 GATE = "metrics/gate.json"
 MODEL_DIR = "models/optimized"
@@ -94,6 +97,11 @@ def verify(repo: Path, ref: str, artifact: str) -> tuple[bool, list[str]]:
     else:
         ok = False
         findings.append("the gate REFUSED it and no tag records an override: " + "; ".join(verdict["reasons"]))
+    flags = open_flags(verdict)
+    accepted = [e for e in artifact_events(repo, artifact) if e.commit == commit and ACCEPTED in e.message]
+    if flags and not accepted:
+        ok = False
+        findings.append(flags.splitlines()[0].rstrip(":") + ", and no tag records --accept-flagged")
     problems = remote_holds(repo, commit, artifact, lock_text.stdout)
     findings += problems or ["the DVC remote holds the model"]
     return ok and not problems, findings

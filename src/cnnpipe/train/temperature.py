@@ -48,10 +48,11 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def calibrate_best(model_dir: Path, val: PreparedSplit, device: torch.device,
-                   recipe: dict[str, Any] | None = None) -> dict[str, Any]:
+                   recipe: dict[str, Any] | None = None, data_generation: int | None = None) -> dict[str, Any]:
     """Fit T for the weights best.pt serves (raw or EMA, as `load_trained` picks) on `val`, and write it
-    into best.pt's meta with the model's input `recipe` (`trained.input_recipe`). Returns T and the
-    validation NLL before and after.
+    into best.pt's meta with the model's input `recipe` (`trained.input_recipe`) and the generation of
+    the store it was trained on (index.json's: the delivery check's photos are those that came later).
+    Returns T and the validation NLL before and after.
 
     `val` is the whole validation split (at most MAX_FIT_IMAGES of it, class-balanced), not the
     budget's per-epoch subset: that subset only picks the best epoch, and a T fitted on 1,000 images
@@ -63,7 +64,8 @@ def calibrate_best(model_dir: Path, val: PreparedSplit, device: torch.device,
     path = model_dir / "best.pt"
     state = ckpt.load(path)
     state["meta"] = {**state["meta"], "temperature": temperature, "temperature_for": meta["weights"],
-                     "serve": meta["weights"], **({"input": recipe} if recipe is not None else {})}
+                     "serve": meta["weights"], **({"input": recipe} if recipe is not None else {}),
+                     **({"data_generation": data_generation} if data_generation is not None else {})}
     ckpt.save_atomic(state, path)
     return {"temperature": temperature, "val_images": len(labels),
             "val_nll_before": float(F.cross_entropy(logits, labels)),

@@ -14,7 +14,7 @@ from cnnpipe.config import VariantConfig
 from cnnpipe.data.held_out import held_out_digest, open_kept
 from cnnpipe.data.loaders import FastTransform, build_eval_loader
 from cnnpipe.data.split import balanced_subset
-from cnnpipe.data.store import data_fingerprint
+from cnnpipe.data.store import data_fingerprint, read_index
 from cnnpipe.files import file_sha256, write_json
 from cnnpipe.hardware import usable_cores
 from cnnpipe.monitor import GpuUtilSampler, process_seconds
@@ -124,7 +124,8 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
                    stopped_early=progress.stopped_early,
                    ema_decay=ema.decay if ema is not None else None,
                    optimizer_steps=parts.schedule.total_steps, batch_note=note, val_images=len(val_split),
-                   calibration=calibrate_best(model_dir, val_kept, info.device, recipe),
+                   calibration=calibrate_best(model_dir, val_kept, info.device, recipe,
+                                              read_index(prepared_dir).get("generation")),
                    stage_time_s=process_seconds())
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())

@@ -1,0 +1,137 @@
+"""Photos the delivery check holds out, for good: until their label changes or a person clears them.
+
+The delivery stage lists the photos it flags (`data/delivery/flagged.csv`, a `held_out` column).
+The next prepare records each held photo in the split ledger (the `HOLD` flag on its record, with
+the label it was held under), so the hold outlives the week and any rerun: every store prepare
+writes then marks them (`<split>_held.npy`), the delivery stage lists them each week, and training,
+evaluation and the gate leave them out. A hold ends when the catalog files the photo under another
+label (the fix), or when a person clears it: its sha256 in `data/delivery/cleared.csv`, a committed
+file (`sha256,note`; `python -m cnnpipe.release.clear` writes it), which prepare and the delivery
+check both read.
+
+The store also carries, per image, what the ledger knows of its history (`mark_store`): the segment
+its bytes first arrived in (`<split>_arrived.npy`, against the `generation` in index.json that a
+trained model records) and whether its bytes were ever in a training split (`<split>_trained.npy`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from cnnpipe.data.entries import DataError
+from cnnpipe.data.held_out import read_cleared as cleared_digests, sha256_column
+from cnnpipe.data.keys import find_sorted
+from cnnpipe.data.ledger import HOLD, Ledger
+from cnnpipe.data.store import SPLITS
+from cnnpipe.files import write_json
+
+
+def read_cleared(path: Path | None) -> np.ndarray:
+    """`held_out.read_cleared`, its complaint a DataError (what prepare reports)."""
+    try:
+        return cleared_digests(path)
+    except ValueError as exc:
+        raise DataError(str(exc)) from exc
+
+
+def read_held_list(path: Path | None) -> dict[str, str]:
+    """{hex sha256: the label it was held under} of the rows a delivery list holds out (none without one)."""
+    if path is None or not Path(path).exists():
+        return {}
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        missing = {"sha256", "given", "held_out"} - set(reader.fieldnames or [])
+        if missing:
+            raise DataError(f"{path}: not a delivery list (no {', '.join(sorted(missing))} column): rerun "
+                            "`dvc repro delivery`, or remove the file")
+        rows = [(row["sha256"], row["given"], reader.line_num) for row in reader if row["held_out"] == "true"]
+    try:
+        sha256_column([r[0] for r in rows], Path(path), [r[2] for r in rows])  # each one checked
+    except ValueError as exc:
+        raise DataError(str(exc)) from exc
+    return {r[0]: r[1] for r in rows}
+
+
+def holds(records: np.ndarray, classes: Sequence[str], ledger: Ledger, listed: dict[str, str],
+          cleared: np.ndarray) -> np.ndarray:
+    """Which of `records` (labels into `classes`) stay held: the ledger holds them, or the last
+    delivery list did, under the label they still have; and no person cleared them."""
+    today = {name: k for k, name in enumerate(classes)}
+    labels = records["label"].astype(np.int64)
+    to_today = np.array([today.get(name, -1) for name in ledger.classes] + [-1], dtype=np.int64)  # -1 stays -1
+    held_code = ledger.hold_label(records["digest"])
+    held = (held_code >= 0) & (to_today[held_code] == labels)  # label codes: no object per image
+    if listed:
+        wanted = np.frombuffer(b"".join(bytes.fromhex(h) for h in listed), dtype="S32")
+        for i in np.flatnonzero(among(records["digest"], wanted)).tolist():  # a delivery's flags: few
+            held[i] |= today.get(listed[records["digest"][i : i + 1].tobytes().hex()], -1) == labels[i]
+    return held & ~among(records["digest"], cleared)
+
+
+def among(digests: np.ndarray, few: np.ndarray) -> np.ndarray:
+    """Whether each of `digests` is one of the `few` (a binary search in them, not a sort of all)."""
+    few = np.sort(few)
+    return find_sorted(few, np.ones(len(few), dtype=np.int8), digests, missing=0).astype(bool)
+
+
+def apply_holds(records: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """`records` with the HOLD flag set where `held`, cleared elsewhere (a copy)."""
+    out = records.copy()
+    out["flags"] = np.where(held, out["flags"] | HOLD, out["flags"] & ~np.uint8(HOLD)).astype(np.uint8)
+    return out
+
+
+def mark_store(store: Path, ledger: Ledger, held: np.ndarray, generation: int) -> dict[str, Any]:
+    """Write each split's `<split>_arrived.npy` (int32: the ledger segment its bytes first arrived in;
+    this prepare's is `generation - 1`), `<split>_trained.npy` (bool: ever in a training split, this
+    one too) and `<split>_held.npy` (bool: its digest is among `held`), and `generation` (the ledger's
+    segments) into index.json. Returns the counts for the data report."""
+    counts: dict[str, Any] = {"generation": generation, "held": {}, "once_trained_on": {}}
+    for split in SPLITS:
+        keys = store / f"{split}_keys.npy"
+        if not keys.exists():
+            continue
+        digests = np.load(keys)["sha256"]
+        arrived, trained = ledger.history(digests)
+        arrived[arrived < 0] = generation - 1
+        trained |= split == "train"
+        on_hold = among(digests, held)
+        np.save(store / f"{split}_arrived.npy", arrived.astype(np.int32))
+        np.save(store / f"{split}_trained.npy", trained)
+        np.save(store / f"{split}_held.npy", on_hold)
+        counts["held"][split] = int(on_hold.sum())
+        if split != "train":
+            counts["once_trained_on"][split] = int(trained.sum())
+    index = json.loads((store / "index.json").read_text(encoding="utf-8"))
+    write_json(store / "index.json", {**index, "generation": generation})
+    return counts
+
+
+def last_list(path: Path | None) -> Path | None:
+    """The delivery list the last delivery check wrote at `path`: the file, else the DVC cache object
+    `dvc.lock` records for it (`dvc repro` or a fresh clone without it); None when none was recorded.
+    One recorded but unreadable is refused: its holds would be lost."""
+    if path is None or Path(path).exists():
+        return None if path is None else Path(path)
+    from cnnpipe.data.previous import _caches, _locked_outs, dvc_root
+
+    root = dvc_root(Path(path))
+    if root is None:
+        return None
+    rel = Path(os.path.relpath(os.path.abspath(path), root)).as_posix()
+    out = _locked_outs(root).get(rel)
+    if out is None or "md5" not in out:
+        return None
+    local, legacy = _caches(root)
+    cached = Path((local if out.get("hash") == "md5" else legacy).oid_to_path(out["md5"]))
+    if cached.is_file():
+        return cached
+    raise DataError(f"dvc.lock records the delivery list {rel} (md5 {out['md5'][:12]}...), but neither it nor its DVC "
+                    f"cache object is here: the photos it holds out would be trained on. Fetch it first "
+                    f"(`dvc pull {rel}`), then rerun prepare")
