@@ -14,7 +14,7 @@ import yaml
 
 from cnnpipe.plan.plan import KEEP_BAND
 from cnnpipe.train.precision import cpu_has_fast_bf16
-from conftest import ROOT, built_once, copy_project, save_image, tiny_params, write_params
+from conftest import ROOT, build_reproduced, built_once, copy_project, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -32,23 +32,12 @@ def stages_run(output: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reproduced(tmp_path_factory, fake_fmnist) -> tuple[Path, str]:
+def reproduced(tmp_path_factory) -> tuple[Path, str]:
     """A git + DVC copy of the project whose Fashion-MNIST is the synthetic one (DVC-tracked in
-    data/raw), after one `dvc repro`; with that run's output. Built once per test run (`built_once`)
-    and never changed: each test gets a copy."""
-    def build(root: Path) -> str:
-        copy_project(root)
-        shutil.copytree(fake_fmnist, root / "data" / "raw" / "fashion-mnist")  # the "copy under data/raw" route
-        params = tiny_params()
-        params["data"]["stored_size"] = 32  # resized from 28 by prepare, cropped to 28 for the model
-        write_params(root / "params.yaml", params)
-        run(["git", "init", "-q"], root)
-        run(["dvc", "add", "-q", "data/raw/fashion-mnist"], root)  # the raw data travels through DVC too
-        run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], root)
-        run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], root)
-        return run(["dvc", "repro"], root)
-
-    return built_once(tmp_path_factory, "reproduced", build)
+    data/raw), after one `dvc repro`; with that run's output (`build_reproduced` in conftest). Built
+    once per test run (`built_once`), started in the background as the run starts, and never changed:
+    each test gets a copy."""
+    return built_once(tmp_path_factory, "reproduced", build_reproduced)
 
 
 @pytest.fixture()
