@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,9 @@ def fake_fmnist(tmp_path_factory) -> Path:
     return write_fake_fmnist(tmp_path_factory.mktemp("fmnist"))
 
 
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+
+
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
                build: Callable[[Path], Any]) -> tuple[Path, Any]:
     """`build(folder)` run once per test run, whichever worker asks first; every worker then gets
@@ -83,7 +87,9 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     folder, done = shared / f"built-{name}", shared / f"built-{name}.json"
-    with FileLock(str(shared / f"built-{name}.lock")):
+    # A thread of this process may be building it (tests/suite_plugin.py): the file lock is for other
+    # processes; threads of this one wait on a lock of its own first.
+    with _THREAD_LOCKS.setdefault(name, threading.Lock()), FileLock(str(shared / f"built-{name}.lock")):
         if not done.exists():
             shutil.rmtree(folder, ignore_errors=True)  # what a build that raised left behind
             folder.mkdir()

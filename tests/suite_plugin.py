@@ -1,10 +1,10 @@
 """How the suite runs, as pytest hooks that tests/conftest.py imports (the fixtures stay there).
 
-- **Child processes**: one thread each (OMP/MKL), DVC analytics off, and tests/stagetime/ first on
+- **Child processes**: one thread each (OMP/MKL), DVC analytics off, and tests/child_hooks/ first on
   PYTHONPATH, so every stage of every `dvc repro` a test runs appends its start and end to the stage
-  log (`CNNPIPE_STAGE_LOG`, default test-reports/stages.jsonl; `scripts/test_report.py` reads it).
+  log (`CNNPIPE_STAGE_LOG`, default test-reports/stages.jsonl; `scripts/slowest_tests.py` reads it).
 - **Longest first**: the tests that took longest in a recorded run (tests/durations.json, written by
-  `python scripts/test_report.py --record`) start first, spread over the xdist workers' first
+  `python scripts/slowest_tests.py --record`) start first, spread over the xdist workers' first
   shares, after pytest-randomly's shuffle (which still orders everything else).
 - **Every test's time**: set-up + call + tear-down of every test, to test-reports/durations.json.
 - **Built in the background**: a fixture named in `BACKGROUND` (the reproduced project) starts
@@ -44,9 +44,9 @@ def _child_environment() -> None:
     os.environ["DVC_NO_ANALYTICS"] = "1"  # else every dvc command leaves a report file in the temp folder
     # torch.compile's cache, kept between runs, but not in the system temp folder (its default)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".pytest_cache" / "torchinductor"))
-    stagetime = str(Path(__file__).with_name("stagetime"))
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != stagetime]
-    os.environ["PYTHONPATH"] = os.pathsep.join([stagetime, *paths])
+    child_hooks = str(Path(__file__).with_name("child_hooks"))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != child_hooks]
+    os.environ["PYTHONPATH"] = os.pathsep.join([child_hooks, *paths])
     if not _IS_WORKER:  # the controller (or the only process) starts a fresh log
         log = Path(os.environ.setdefault("CNNPIPE_STAGE_LOG", str(REPORTS / "stages.jsonl")))
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -124,6 +124,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ()) if name in BACKGROUND}
     factory = session.config._tmp_path_factory  # the factory the tests' own fixtures get
+    if needed:
+        factory.getbasetemp()  # made (a given --basetemp emptied) here, not by two threads at once
     for name in sorted(needed):
         def build(name: str = name) -> None:
             try:
@@ -194,4 +196,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                                     "(or make it under tmp_path).")
     if not _IS_WORKER:
         terminalreporter.write_line(f"stage timings of every dvc repro: {os.environ.get('CNNPIPE_STAGE_LOG')} "
-                                    "(python scripts/test_report.py)")
+                                    "(python scripts/slowest_tests.py)")

@@ -4,9 +4,9 @@ Reads what the suite wrote (tests/suite_plugin.py): test-reports/durations.json 
 call + tear-down) and test-reports/stages.jsonl (each stage's start and end, with the test that ran
 it). Prints a Markdown table, the one docs/testing.md keeps:
 
-    python scripts/test_report.py            # the slowest 25
-    python scripts/test_report.py --top 10
-    python scripts/test_report.py --record   # also: tests/durations.json, the order of the next run
+    python scripts/slowest_tests.py            # the slowest 25
+    python scripts/slowest_tests.py --top 10
+    python scripts/slowest_tests.py --record   # also: tests/durations.json, the order of the next run
 
 A stage that ran more than once in a test is summed, with its count; a stage killed by its test
 (no end) is marked "killed". Stages built for a shared fixture are listed as `built_once <name>`.
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     found = args.reports / "durations.json"
     if not found.exists():
-        print(f"test_report: {found} not found: run the suite first (bash scripts/test.sh)", file=sys.stderr)
+        print(f"slowest_tests: {found} not found: run the suite first (bash scripts/test.sh)", file=sys.stderr)
         return 1
     durations = json.loads(found.read_text())
     print(table(durations, stage_times(args.reports / "stages.jsonl"), args.top))
