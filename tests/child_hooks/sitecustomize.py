@@ -9,8 +9,8 @@ hook is off unless its environment variable is set, and costs nothing then (no i
   (SIGKILL) has a start and no end. Only the stage's first Python process logs: torchrun's agent and
   workers inherit CNNPIPE_STAGE_TIMED and stay quiet.
 - A pause after the first checkpoint (CNNPIPE_TEST_PAUSE_AT_CHECKPOINT=<folder>): the first process to
-  write a last.pt writes `<folder>/paused` (the checkpoint's epoch) right after it, and waits until
-  `<folder>/resume` exists. A test kills the run there: on any machine the kill lands after a
+  write a last.pt writes `<folder>/paused` (the checkpoint's epoch) once that epoch's checkpoints are
+  written (last.pt, and best.pt with it), and waits until `<folder>/resume` exists. A test kills the run there: on any machine the kill lands after a
   checkpoint and before the run ends, placed by that event, not by a delay.
 """
 
@@ -45,44 +45,58 @@ if os.environ.get("CNNPIPE_TEST_PAUSE_AT_CHECKPOINT"):
     import sys
 
     _PAUSE = os.environ["CNNPIPE_TEST_PAUSE_AT_CHECKPOINT"]
-    _TARGET = "cnnpipe.train.checkpoint"
+    _wrote_last = []  # set by save_atomic when it wrote a last.pt; read after the epoch's checkpoints
 
-    def _pausing(save):
-        def save_then_pause(state, path, *args, **kwargs):
+    def _recording(save):
+        def save_atomic(state, path, *args, **kwargs):
             save(state, path, *args, **kwargs)
-            paused, resume = os.path.join(_PAUSE, "paused"), os.path.join(_PAUSE, "resume")
-            if os.path.basename(str(path)) != "last.pt":
+            if os.path.basename(str(path)) == "last.pt":
+                _wrote_last.append(state.get("epoch"))
+        return save_atomic
+
+    def _pausing(save_checkpoints):
+        def save_checkpoints_then_pause(*args, **kwargs):
+            save_checkpoints(*args, **kwargs)  # last.pt and, when validation improved, best.pt
+            if not _wrote_last:
                 return
+            paused, resume = os.path.join(_PAUSE, "paused"), os.path.join(_PAUSE, "resume")
             try:  # the first last.pt of the whole run only, whichever process writes it
-                fd = os.open(paused + ".claim", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                os.close(os.open(paused + ".claim", os.O_WRONLY | os.O_CREAT | os.O_EXCL))
             except FileExistsError:
                 return
-            os.close(fd)
             with open(paused + ".tmp", "w") as fh:
-                fh.write(str(state.get("epoch")))
+                fh.write(str(_wrote_last[-1]))
             os.replace(paused + ".tmp", paused)
             import time
 
             while not os.path.exists(resume):
                 time.sleep(0.05)
 
-        return save_then_pause
+        return save_checkpoints_then_pause
 
-    class _PatchCheckpoint(importlib.abc.MetaPathFinder):
-        """Wraps `save_atomic` as cnnpipe.train.checkpoint is first imported."""
+    _PATCHES = {"cnnpipe.train.checkpoint": ("save_atomic", _recording),
+                "cnnpipe.train.pacing": ("save_checkpoints", _pausing)}
+
+    class _PatchCheckpoints(importlib.abc.MetaPathFinder):
+        """Wraps the checkpoint writers as their modules are first imported (before any `from` import
+        binds them)."""
 
         def find_spec(self, name, path=None, target=None):
-            if name != _TARGET:
+            if name not in _PATCHES or getattr(self, "busy", False):
                 return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
+            self.busy = True
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                self.busy = False
+            attribute, wrap = _PATCHES[name]
             execute = spec.loader.exec_module
 
             def exec_module(module):
                 execute(module)
-                module.save_atomic = _pausing(module.save_atomic)
+                setattr(module, attribute, wrap(getattr(module, attribute)))
 
             spec.loader.exec_module = exec_module
             return spec
 
-    sys.meta_path.insert(0, _PatchCheckpoint())
+    sys.meta_path.insert(0, _PatchCheckpoints())
