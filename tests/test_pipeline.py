@@ -14,7 +14,7 @@ import yaml
 
 from cnnpipe.plan.plan import KEEP_BAND
 from cnnpipe.train.precision import cpu_has_fast_bf16
-from conftest import ROOT, build_reproduced, built_once, copy_project, save_image, tiny_params, write_params
+from conftest import ROOT, build_reproduced, built_once, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import suite_plugin
