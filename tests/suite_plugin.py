@@ -122,6 +122,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     first to take `built_once`'s lock builds, the others find it built."""
     from conftest import built_once  # noqa: PLC0415  (conftest imports this module)
 
+    if session.config.option.collectonly:
+        return
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ()) if name in BACKGROUND}
     factory = session.config._tmp_path_factory  # the factory the tests' own fixtures get
     if needed:
