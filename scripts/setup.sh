@@ -29,12 +29,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
       "free some space (old clones, pip's cache, /tmp) and run this again." >&2
   fi
   echo "setup: installing cnnpipe and its pinned dependencies into .venv (torch is large: a few minutes)"
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test]'
-  # onnxruntime checks the ONNX export numerically; where no wheel installs, export says so and
-  # falls back to onnx's structural checker.
-  .venv/bin/python -m pip install -q -e '.[onnx-runtime]' ||
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+  # onnxruntime checks the ONNX export numerically. Both extras in one pip run: one resolver pass
+  # and one editable build, not two. Where no onnxruntime wheel installs, the same without it: the
+  # export stage says so and falls back to onnx's structural checker.
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,onnx-runtime]'; then
     echo "setup: onnxruntime did not install; the export stage will use onnx.checker only" >&2
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  fi
   echo "$want" > "$stamp"
 fi
 

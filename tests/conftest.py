@@ -6,6 +6,8 @@ tests/test_hub.py serves its own hub on 127.0.0.1 to test the download path.
 
 Under pytest-xdist (`scripts/test.sh` runs two workers) an expensive read-only fixture is built once
 for the whole run, not once per worker: `built_once` keys it by name in the run's shared temp folder.
+How the run itself is arranged (threads, stage timings, longest first, background builds, the temp
+folder check) is tests/suite_plugin.py, whose hooks are imported here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,15 @@ from PIL import Image
 from cnnpipe.data import idx
 from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.params import resolve
+from suite_plugin import (  # noqa: F401  (pytest finds hooks by name in a conftest)
+    BACKGROUND,
+    pytest_collection_finish,
+    pytest_collection_modifyitems,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+    pytest_terminal_summary,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,13 +58,21 @@ def _blobs(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return images, labels.astype(np.uint8)
 
 
-@pytest.fixture(scope="session")
-def fake_fmnist(tmp_path_factory) -> Path:
-    """A directory with the four Fashion-MNIST IDX files (synthetic, 600 train / 200 test)."""
-    out = tmp_path_factory.mktemp("fmnist")
+def write_fake_fmnist(out: Path) -> Path:
+    """The four Fashion-MNIST IDX files (synthetic, 600 train / 200 test) into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
     for split, n, seed in (("train", 600, 0), ("test", 200, 1)):
         idx.write_split(out, split, *_blobs(n, seed))
     return out
+
+
+@pytest.fixture(scope="session")
+def fake_fmnist(tmp_path_factory) -> Path:
+    """A directory with the four Fashion-MNIST IDX files (synthetic, 600 train / 200 test)."""
+    return write_fake_fmnist(tmp_path_factory.mktemp("fmnist"))
+
+
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
 
 
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
@@ -67,7 +87,9 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     folder, done = shared / f"built-{name}", shared / f"built-{name}.json"
-    with FileLock(str(shared / f"built-{name}.lock")):
+    # A thread of this process may be building it (tests/suite_plugin.py): the file lock is for other
+    # processes; threads of this one wait on a lock of its own first.
+    with _THREAD_LOCKS.setdefault(name, threading.Lock()), FileLock(str(shared / f"built-{name}.lock")):
         if not done.exists():
             shutil.rmtree(folder, ignore_errors=True)  # what a build that raised left behind
             folder.mkdir()
@@ -150,3 +172,38 @@ def save_image(path: Path, array: np.ndarray, mode: str | None = None, **kwargs)
 def colour_image(seed: int, size: tuple[int, int] = (40, 30)) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return rng.integers(0, 255, size=(size[1], size[0], 3), dtype=np.uint8)
+
+
+def _run_for_build(cmd: list[str], cwd: Path, name: str) -> str:
+    """`cmd` for a `built_once` build (maybe in a background thread): its stages are logged under
+    `built_once <name>`, not under whichever test the worker runs meanwhile."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               PYTEST_CURRENT_TEST=f"built_once {name}")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout + proc.stderr
+
+
+def build_reproduced(root: Path) -> str:
+    """A git + DVC copy of the project whose Fashion-MNIST is the synthetic one (DVC-tracked in
+    data/raw), after one `dvc repro`; returns that run's output. For `reproduced` (tests/test_pipeline.py),
+    started in the background at collection (tests/suite_plugin.py)."""
+    def run(*cmd: str) -> str:
+        return _run_for_build(list(cmd), root, "reproduced")
+
+    copy_project(root)
+    write_fake_fmnist(root / "data" / "raw" / "fashion-mnist")  # the "copy under data/raw" route
+    params = tiny_params()
+    params["data"]["stored_size"] = 32  # resized from 28 by prepare, cropped to 28 for the model
+    write_params(root / "params.yaml", params)
+    run("git", "init", "-q")
+    run("dvc", "add", "-q", "data/raw/fashion-mnist")  # the raw data travels through DVC too
+    run("git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
+    run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    return run("dvc", "repro")
+
+
+BACKGROUND["reproduced"] = build_reproduced

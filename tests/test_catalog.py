@@ -102,10 +102,47 @@ def _params(tmp_path: Path, source: Path, workers: int) -> Path:
     return params
 
 
-def _start_prepare(tmp_path: Path, params: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "stages" / "prepare.py"), "--params", str(params),
-                             "--out", str(tmp_path / "p"), "--report", str(tmp_path / "r.json")],
+PAUSED = """
+import os, runpy, signal, sys, time
+from pathlib import Path
+from cnnpipe.data.journal import Journal
+
+record, count, pause_at = Journal.record, [0], int(os.environ["PAUSE_AT"])
+
+def record_then_pause(self, *args):
+    at = record(self, *args)
+    count[0] += 1
+    if count[0] == pause_at:  # the journal's lines made durable, then the test is told, and acts
+        self.sync()
+        Path(os.environ["PAUSED_FILE"]).write_text(str(count[0]))
+        while not Path(os.environ["RESUME_FILE"]).exists():
+            time.sleep(0.01)
+    return at
+
+Journal.record = record_then_pause
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+"""`python -c PAUSED stages/prepare.py ...`: the prepare, paused after the journal's `PAUSE_AT`th file
+until RESUME_FILE exists, having written PAUSED_FILE: a kill placed there, not after a delay."""
+
+
+def _start_prepare(tmp_path: Path, params: Path, pause_at: int | None = None) -> subprocess.Popen:
+    cmd = [str(ROOT / "stages" / "prepare.py"), "--params", str(params),
+           "--out", str(tmp_path / "p"), "--report", str(tmp_path / "r.json")]
+    env = dict(os.environ, PAUSE_AT=str(pause_at), PAUSED_FILE=str(tmp_path / "paused"),
+               RESUME_FILE=str(tmp_path / "resume"))
+    return subprocess.Popen([sys.executable, *(["-c", PAUSED] if pause_at else []), *cmd], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_paused(tmp_path: Path, proc: subprocess.Popen) -> None:
+    """Until the prepare says it paused; a generous bound only a hang reaches."""
+    deadline = time.monotonic() + 600
+    while not (tmp_path / "paused").exists():
+        assert proc.poll() is None, f"the prepare ended before its pause: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the prepare never reached its pause"
+        time.sleep(0.02)
 
 
 def _journal_lines(tmp_path: Path) -> int:
@@ -115,15 +152,13 @@ def _journal_lines(tmp_path: Path) -> int:
 
 def test_a_killed_prepare_continues_where_it_stopped(tmp_path):
     root = tmp_path / "catalog"
-    make_catalog(root, 0, 400, side=400)  # slow enough to decode that the kill lands mid-way
-    proc = _start_prepare(tmp_path, _params(tmp_path, root, workers=1))
-    deadline = time.monotonic() + 120
-    while _journal_lines(tmp_path) < 40 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    make_catalog(root, 0, 400, side=48)
+    proc = _start_prepare(tmp_path, _params(tmp_path, root, workers=1), pause_at=100)
+    _wait_paused(tmp_path, proc)  # 100 files journalled: the kill lands mid-way, on any machine
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done = _journal_lines(tmp_path)
-    assert 40 <= done < 400, "the kill should land mid-way"
+    assert 100 <= done < 400, "the kill should land mid-way"
     assert not (tmp_path / "p").exists()  # nothing was swapped in
 
     cfg = DataConfig(source=str(root), stored_size=16, image_size=16, prepare_workers=1)
@@ -205,15 +240,14 @@ def test_a_worker_killed_mid_decode_costs_no_file_and_the_prepare_finishes(tmp_p
     the file's fault), the rest of its chunk goes to a fresh worker, and nothing is listed as bad."""
     root = tmp_path / "catalog"
     make_catalog(root, 0, 600, side=400)
-    proc = _start_prepare(tmp_path, _params(tmp_path, root, workers=2))
-    deadline = time.monotonic() + 120
-    while _journal_lines(tmp_path) < 40 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    proc = _start_prepare(tmp_path, _params(tmp_path, root, workers=2), pause_at=40)
+    _wait_paused(tmp_path, proc)  # the workers are up and the prepare is mid-way, on any machine
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     workers = [pid for pid in children
                if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
     assert workers, "expected decoding worker processes"
     os.kill(int(workers[-1]), signal.SIGKILL)  # what the OOM killer does
+    (tmp_path / "resume").touch()
     _, err = proc.communicate(timeout=300)  # no hang, no error
     assert proc.returncode == 0, err
     report = json.loads((tmp_path / "r.json").read_text())

@@ -4,6 +4,7 @@ import csv
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,19 +23,25 @@ from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.engine import predict as engine_predict
 from cnnpipe.train.precision import autocast
 from cnnpipe.train.trained import load_trained, make_transform
-from conftest import save_image, tiny_params, write_params
+from conftest import built_once, save_image, tiny_params, write_fake_fmnist, write_params
 
 
-@pytest.fixture(scope="module")
-def trained(fake_fmnist, tmp_path_factory):
-    """A prepared split (stored at the native 28 px) and a tiny model trained on it."""
-    root = tmp_path_factory.mktemp("use")
+def train_tiny_model(root: Path) -> None:
+    """A prepared split (stored at the native 28 px) in `root`/prepared and a tiny model trained on it
+    in `root`/models."""
     cfg = resolve(load_params(write_params(root / "params.yaml", tiny_params(epochs=3))), "optimized")
     prepared = root / "prepared"
     prepared.mkdir()
-    prepare_fashion_mnist(cfg.data, 0, prepared, search_dirs=(fake_fmnist,))
+    prepare_fashion_mnist(cfg.data, 0, prepared, search_dirs=(write_fake_fmnist(root / "fmnist"),))
     trainer.fit(cfg, DistInfo(), prepared, root / "models", root / "train.json", root / "live")
-    return root, prepared, root / "models"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`train_tiny_model`'s folder, prepared split and models: built once per run (`built_once`),
+    read-only (a test that changes a checkpoint copies it first)."""
+    root = built_once(tmp_path_factory, "use_model.trained", train_tiny_model)[0]
+    return root, root / "prepared", root / "models"
 
 
 def model_predictions(models, prepared, n):

@@ -283,7 +283,8 @@ class BoxPlan:
         end_s = 2 * inference_batch * per_image_s * FORWARD_SHARE  # the inference timing repeated at the end
         box_left = None if self.left is None else self.box.left() - smaller_s - end_s - MARGIN * self.left
         clock = TrialClock(trial_window(box_left, training_s), block,
-                           self.setup_s + 2 * p.trial_rounds * (block + 1) * step_s)  # a full trial at the base's speed
+                           self.setup_s + 2 * p.trial_rounds * (block + 1) * step_s,  # a full trial at the base's speed
+                           now=self.box.now)  # the box's clock: one clock for the box and its trials
         tried = trial_batch(step_per_image_s, self.batch, clock.window_s, self.setup_s, p.trial_rounds, p.trial_steps)
         if tried != self.batch:
             clock.block = block_steps(per_image_s * tried, p.trial_steps)

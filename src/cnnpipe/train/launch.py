@@ -68,7 +68,9 @@ def relaunch(t: TrainConfig, script: str, args: list[str], run_id: str) -> int:
         # Workers get a TCPStore of their own rather than sharing the rendezvous store with the agent:
         # shared, a restarted group on several nodes found the previous round's addresses there and
         # failed to connect (torch 2.14, seen on one node and on two on 127.0.0.1): restarts never recovered.
-        code = subprocess.call(cmd, env=dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        # TMPDIR: torchrun's agent makes a torchelastic_* folder in the temp folder and leaves it
+        # there; in ours, it goes with ours.
+        code = subprocess.call(cmd, env=dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TMPDIR=tmp,
                                              **{NO_RESTART_FILE: str(stop_file)}))
         if stop_file.exists():
             print(stop_file.read_text(), file=sys.stderr)
