@@ -44,8 +44,8 @@ def save_checkpoints(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, m
                      ema: torch.nn.Module | None, progress: Progress, fingerprint: str, epoch: int, improved: bool,
                      model_dir: Path, pacer: Pacer) -> None:
     """last.pt every `train.checkpoint_every` epochs (`auto`: paced by `CHECKPOINT_SHARE`) and at the end,
-    with every rank's RNG states; best.pt when validation improved, written with the next last.pt
-    (so the two always agree on disk). Called on every rank (the RNG states are gathered); the
+    with every rank's RNG states; best.pt when validation improved, written just before the next last.pt
+    (so a resume from that last.pt always finds a best.pt). Called on every rank (the RNG states are gathered); the
     primary rank decides and writes."""
     final = epoch + 1 == cfg.train.epochs or progress.stopped_early is not None  # and a pending best.pt written
     due = broadcast_object(pacer.due(cfg.train.checkpoint_every, epoch, final), info)
@@ -67,13 +67,15 @@ def save_checkpoints(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, m
         return
     best = {k: state[k] for k in BEST_KEYS} if improved else pacer.pending_best
     t0 = time.monotonic()
+    # best.pt first: a kill between the two writes then leaves the best weights on disk and an older
+    # last.pt, whose resume replays the epoch (and rewrites best.pt); the other order lost them.
+    if best is not None:
+        ckpt.save_atomic(best, model_dir / "best.pt")
     ckpt.save_atomic({
         **state, "optimizer": parts.optimizer.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "rng": [r for r, _ in rngs], "augment_rng": [a for _, a in rngs],
     }, model_dir / "last.pt")
-    if best is not None:
-        ckpt.save_atomic(best, model_dir / "best.pt")
     pacer.pending_best = None
     pacer.last_write, pacer.write_s = time.monotonic(), time.monotonic() - t0
 
