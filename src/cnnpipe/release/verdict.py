@@ -111,6 +111,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
                         "min_support": cfg.min_support, "max_class_drop": cfg.max_class_drop,
                         "too_small": cfg.too_small, "new_class_min_recall": cfg.new_class_min_recall,
                         "max_to_new_class": cfg.max_to_new_class, "renamed": dict(cfg.renamed),
+                        "drift_budget": cfg.drift_budget, "drift_confidence": cfg.drift_confidence,
                         "max_relabel_share": cfg.max_relabel_share,
                         "floors": dict(cfg.floors), "stage": cfg.stage, "artifact": cfg.artifact}
     if delivery is not None and delivery.exists():  # the week's flags, repeated (not a reason to refuse)
