@@ -18,7 +18,7 @@ those classes only (its argmax restricted to them: `challenger_pred_known`). On 
   `drift_budget`). Which case applies depends on the test set's size and the two accuracies, never
   on how much the models disagree: more disagreement never buys a blessing.
 - **the drift budget**: against the anchor (the last model shown within the margin of the anchor
-  before it; the champion when none is recorded), on today's whole test set, the lower bound at
+  before it, and no worse than it; the champion when none is recorded), on today's whole test set, the lower bound at
   `drift_confidence` must be above `-drift_budget`, so small losses cannot add up week after week.
 
 What is served. The old classes are also judged on the answer the challenger will serve (its argmax
@@ -322,7 +322,9 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     for name, mask in (slices or {}).items():
         mask = np.asarray(mask, dtype=bool) & old
         verdict["slices"][name] = compare(champion_right[mask], challenger_right[mask], rules)
-    drifted["new_anchor"] = not failed and drifted["shown_within_margin"]
+    # Only a challenger shown within the margin and no worse than the anchor on these images replaces it:
+    # one shown within the margin but a little worse would let the anchor follow a slow slide down.
+    drifted["new_anchor"] = not failed and drifted["shown_within_margin"] and drifted["difference"] >= 0
     verdict.update(new_classes=new_rows, removed_classes=cmap.removed, renamed=cmap.renamed,
                    to_new_classes=pulls[:REPORTED_CLASSES], blessed=not failed, reasons=reasons, warnings=warnings)
     return verdict

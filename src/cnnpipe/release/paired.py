@@ -17,7 +17,7 @@ same true difference it never raises the chance of a blessing within the budget
   confidence must be above it.
 
 `drift` compares the challenger with the anchor, the last model shown within the margin of the
-anchor before it, on today's (growing) test set: its lower bound at `drift_confidence` must be above
+anchor before it and no worse than it on the test set of its week, on today's (growing) test set: its lower bound at `drift_confidence` must be above
 `-drift_budget` every week, so a run of small losses, each too small to judge, is refused once their
 sum is beyond the budget. Each of these is a non-inferiority bound at a fixed margin, and the chance
 that such a bound is above its margin falls as the disagreement grows for every true difference

@@ -49,6 +49,7 @@ class Run:
     """A run of weeks: which were blessed, and the true top-1 lost against the first model when shipped."""
 
     blessed: list[bool]
+    too_small: list[bool]  # the weeks too small to judge the margin
     shipped_loss: list[float]  # after each week, the loss of the model in production against week 0's
     anchors: int  # how many times the anchor moved
 
@@ -69,7 +70,7 @@ def run_weeks(n: int, growth: int, k: int, recall: np.ndarray, flips: float, los
     champion = rng.random(size) < recall[labels]
     champion_accuracy = recall[labels].astype(np.float64)
     anchor, lost, anchors = champion, 0.0, 0
-    blessed, shipped = [], []
+    blessed, small, shipped = [], [], []
     for week in range(weeks):
         m = n + growth * week
         challenger = next_model(champion, champion_accuracy, flips, loss, rng.random(size))
@@ -77,6 +78,7 @@ def run_weeks(n: int, growth: int, k: int, recall: np.ndarray, flips: float, los
                         classes, classes, rules, anchor_pred=answers(labels[:m], anchor[:m], k),
                         anchor_classes=classes, anchor_name="simulated")
         blessed.append(bool(verdict["blessed"]))
+        small.append(verdict["too_small"] is not None)
         if verdict["blessed"]:
             champion, champion_accuracy, lost = challenger, champion_accuracy - loss, lost + loss
             if verdict["drift"]["new_anchor"]:
@@ -84,4 +86,4 @@ def run_weeks(n: int, growth: int, k: int, recall: np.ndarray, flips: float, los
         shipped.append(lost)
         if stop_at_refusal and not verdict["blessed"]:
             break
-    return Run(blessed, shipped, anchors)
+    return Run(blessed, small, shipped, anchors)
