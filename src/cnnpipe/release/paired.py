@@ -2,9 +2,9 @@
 
 `compare` is the week's comparison with the champion. Which case applies depends on the test set's
 size and the champion's accuracy, never on how much the two models disagree: the set either supports
-`margin` or it does not at the *planning discordance*, the champion's error rate (a figure of the
-champion and the test set alone; a challenger that disagrees on more images has less power to be
-shown within the margin, which is its own doing). A rule that asked for more images when the
+`margin` or it does not at the *planning discordance*, the larger of the two models' error rates
+(figures of each model alone; a challenger that disagrees on more images than that has less power
+to be shown within the margin, which is its own doing). A rule that asked for more images when the
 challenger disagrees more would let a noisier challenger through the "too small to judge" door that
 a steadier one, as much worse, cannot reach; here more disagreement only widens the bounds, so at the
 same true difference it never raises the chance of a blessing within the budget
@@ -17,10 +17,12 @@ same true difference it never raises the chance of a blessing within the budget
   confidence must be above it.
 
 `drift` compares the challenger with the anchor, the last model shown within the margin of the
-anchor before it and no worse than it on the test set of its week, on today's (growing) test set: its lower bound at `drift_confidence` must be above
-`-drift_budget` every week, so a run of small losses, each too small to judge, is refused once their
-sum is beyond the budget. Each of these is a non-inferiority bound at a fixed margin, and the chance
-that such a bound is above its margin falls as the disagreement grows for every true difference
+anchor before it and no worse than it on the test set of its week, on today's (growing) test set:
+its lower bound (at the gate's confidence where the set can show the budget, else at
+`drift_confidence`) must be above `-drift_budget` every week, so a run of small losses, each too
+small to judge, is refused once their sum is beyond the budget. Each of these is a
+non-inferiority bound at a fixed margin, and the chance that such a bound is above its margin falls
+as the disagreement grows for every true difference
 above the margin (below it, it rises at most to the bound's own error rate).
 """
 
@@ -30,7 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from cnnpipe.release.stats import images_needed, margin_supported, mcnemar_p, newcombe_interval, paired_counts
+from cnnpipe.release.stats import Paired, images_needed, margin_supported, mcnemar_p, newcombe_interval, paired_counts
+
+
+def planning_discordance(t: Paired) -> float:
+    """The discordance a test set must support: the larger of the two error rates. Each model's own
+    accuracy, not how much they disagree: at a given true difference it does not grow with the noise."""
+    return max(1.0 - t.champion_top1, 1.0 - t.challenger_top1)
 
 
 def compare(champion_right: np.ndarray, challenger_right: np.ndarray, rules: Any) -> dict[str, Any]:
@@ -40,7 +48,7 @@ def compare(champion_right: np.ndarray, challenger_right: np.ndarray, rules: Any
     t = paired_counts(champion_right, challenger_right)
     lower, upper = newcombe_interval(t, rules.confidence)
     accuracy = (t.champion_top1 + t.challenger_top1) / 2
-    planning = 1.0 - t.champion_top1  # the champion's error rate: the planning discordance
+    planning = planning_discordance(t)
     needed = images_needed(accuracy, planning, rules.margin, rules.confidence, rules.power)
     week_margin, week_confidence, lower_at_week = rules.margin, rules.confidence, lower
     if t.n == 0:
@@ -80,7 +88,7 @@ def drift(anchor_right: np.ndarray, challenger_right: np.ndarray, rules: Any, an
     drift confidence, whether it is within the budget, and whether the challenger is shown within the
     margin of the anchor (then, blessed, it becomes the next anchor)."""
     t = paired_counts(anchor_right, challenger_right)
-    planning = 1.0 - t.champion_top1
+    planning = planning_discordance(t)
     supported = margin_supported(t.n, (t.champion_top1 + t.challenger_top1) / 2, planning, rules.confidence,
                                  rules.power)
     confidence = small_set(supported, rules)[1]
@@ -125,7 +133,7 @@ def drift_reason(d: dict[str, Any]) -> str:
 def too_small_warning(p: dict[str, Any], rules: Any) -> str:
     """gate.md's first warning on a week too small to judge the margin."""
     need = (f"about {p['images_needed']:,} test images of the champion's classes are needed to tell a "
-            f"{rules.margin:.0%} loss from none when as many answers change as the champion gets wrong "
+            f"{rules.margin:.0%} loss from none when as many answers change as the worse model gets wrong "
             f"({p['planning_discordance']:.1%}; {p['discordance']:.1%} did)"
             if p["images_needed"] is not None else "no test image of a class the champion knows")
     action = (f"the loop blesses it only within the -{p['week_margin']:.2%} this test set supports and within the "
