@@ -71,11 +71,12 @@ class ReleaseConfig:
     """The most of an old class's test images the challenger may now call any new class."""
     drift_budget: float = 0.03
     """The most top-1 the challenger may lose against the anchor (the last model shown within `margin`
-    of the anchor before it), on today's test set: a run of weeks too small to judge, each a small loss,
-    is refused once their sum is beyond this (lower bound at `drift_confidence`). Also the widest margin
-    a week too small to judge is judged at."""
+    of the anchor before it and no worse than it), on today's test set: a run of weeks too small to
+    judge, each a small loss, is refused once their sum is beyond this (a one-sided lower bound). Also
+    the widest margin a week too small to judge is judged at."""
     drift_confidence: float = 0.8
-    """The one-sided confidence of the drift bound and of a week too small to judge at `margin`."""
+    """The one-sided confidence of the week's and the drift's bounds on a test set too small to show
+    `drift_budget` at 95% (a larger set uses 95%)."""
     renamed: dict[str, str] = field(default_factory=dict)
     """Classes renamed since the champion, {old: new}: compared as one class by the gate, and the
     warm start keeps the old class's classifier row for the new name."""
