@@ -1,8 +1,8 @@
 """The gate's decision: is the challenger at least as good as the champion it would replace?
 
 The API is one pure function, `judge(labels, champion_pred, challenger_pred, classes,
-champion_classes, rules, challenger_pred_known=None)`, on the answers both models gave on the same
-test images; it returns a JSON-able dict with `blessed` and `reasons` (and every number behind
+champion_classes, rules, challenger_pred_known=None, anchor_pred=None, anchor_classes=None)`, on the
+answers the models gave on the same test images; it returns a JSON-able dict with `blessed` and `reasons` (and every number behind
 them). The gate stage (`verdict.run_gate`) only computes those answers and writes the dict out.
 
 Like for like. A class the champion never saw cannot be held against it, and must not buy the
@@ -18,8 +18,9 @@ those classes only (its argmax restricted to them: `challenger_pred_known`). On 
   `drift_budget`). Which case applies depends on the test set's size and the two accuracies, never
   on how much the models disagree: more disagreement never buys a blessing.
 - **the drift budget**: against the anchor (the last model shown within the margin of the anchor
-  before it, and no worse than it; the champion when none is recorded), on today's whole test set, the lower bound at
-  `drift_confidence` must be above `-drift_budget`, so small losses cannot add up week after week.
+  before it, and no worse than it; the champion when none is recorded), on today's whole test set,
+  the lower bound (at `drift_confidence` where the set cannot show the budget at 95%) must be above
+  `-drift_budget`, so small losses cannot add up week after week.
 
 What is served. The old classes are also judged on the answer the challenger will serve (its argmax
 over all of today's classes), where an old class's image called a new class is wrong:
