@@ -2,8 +2,9 @@
 
 The API is one pure function, `judge(labels, champion_pred, challenger_pred, classes,
 champion_classes, rules, challenger_pred_known=None, anchor_pred=None, anchor_classes=None)`, on the
-answers the models gave on the same test images; it returns a JSON-able dict with `blessed` and `reasons` (and every number behind
-them). The gate stage (`verdict.run_gate`) only computes those answers and writes the dict out.
+answers the models gave on the same test images; it returns a JSON-able dict with `blessed` and
+`reasons` (and every number behind them). The gate stage (`verdict.run_gate`) only computes those
+answers and writes the dict out.
 
 Like for like. A class the champion never saw cannot be held against it, and must not buy the
 challenger anything either: the top-1 comparison runs on the test images whose class the champion
