@@ -15,9 +15,23 @@ as many each way. Weeks:
 
 Printed per week, test size and class count, in % of the simulated weeks: judged (not too small),
 blessed (with or without the too-small warning), blessed among the judged weeks, refused, and
-refused by a per-class rule. Then the targets, each with its worst cell.
+refused by a per-class rule.
 
-    python bench/gate_power.py                # 300 weeks per cell, ~10 min on one core
+Then two tables of `cnnpipe.release.simulate`'s weeks (a challenger `loss` worse in every class that
+disagrees with the champion on `flips` of the images, a wrong answer being the next class):
+
+  Disagreement   one week, 2,000 test images in 20 classes, the bless rate by true loss and by
+                 disagreement, the same draws for every disagreement (common random numbers)
+  Weeks in a row 12 weeks, each challenger trained from the champion, `loss` worse and disagreeing
+                 on 6%; the test set starts at n images and grows by n/10 a week; the champion
+                 changes when a challenger is blessed, the anchor when one is shown within the margin
+                 of the anchor. Per cell: the weeks too small to judge, the weeks refused, the runs
+                 whose shipped loss never passed the drift budget in 12 weeks, and the loss shipped
+                 after 12 weeks (mean and the worst run)
+
+Then the targets, each with its worst cell.
+
+    python bench/gate_power.py                # 300 weeks per cell
     python bench/gate_power.py --weeks 50     # a quick look
 """
 
@@ -32,6 +46,7 @@ import numpy as np
 
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.release.gate import GateRules, judge
+from cnnpipe.release.simulate import one_week, run_weeks
 
 SIZES = (200, 1_000, 5_000, 20_000)
 CLASS_COUNTS = (10, 50, 200, 1_000)
@@ -81,9 +96,75 @@ def simulate(week: Week, n: int, k: int, recall: np.ndarray, rules: GateRules, r
     return judge(label, champion, challenger, classes + ["new"], classes, rules, challenger_pred_known=known)
 
 
+DISAGREEMENT = (0.02, 0.04, 0.08, 0.12, 0.16)
+LOSSES = (0.0, 0.01, 0.015, 0.02, 0.03, 0.04)
+RUN_SIZES = (200, 1_000, 5_000, 20_000)
+RUN_LOSSES = (0.0, 0.005, 0.01, 0.02)
+RUN_WEEKS = 12
+
+
+def disagreement_table(weeks: int, seed: int, rules: GateRules, which: str) -> list[dict]:
+    """The bless rate by true loss and disagreement at 2,000 test images in 20 classes."""
+    n, k = 2_000, 20
+    recall = np.random.default_rng([seed, k]).uniform(0.60, 0.94, k)
+    print(f"\n### Disagreement: one week, {n:,} test images in {k} classes, {which}; % of {weeks} weeks blessed\n")
+    print("| True loss | " + " | ".join(f"{f:.0%} disagree" for f in DISAGREEMENT) + " | Largest rise |")
+    print("|---:|" + "---:|" * (len(DISAGREEMENT) + 1))
+    rows = []
+    for loss in LOSSES:
+        rates = []
+        for flips in DISAGREEMENT:
+            rng = np.random.default_rng([seed, n, k, 99])  # the same draws for every disagreement
+            blessed = sum(one_week(n, k, recall, flips, loss, rng.random((2, n)), rules)["blessed"]
+                          for _ in range(weeks)) if flips >= loss else None
+            rates.append(None if blessed is None else 100 * blessed / weeks)
+        seen = [r for r in rates if r is not None]
+        rise = max([b - a for a, b in zip(seen, seen[1:])] + [0.0])
+        rows.append({"loss": loss, "rates": rates, "rise": rise})
+        print(f"| {loss * 100:.1f} pt | " + " | ".join("" if r is None else f"{r:.1f}" for r in rates)
+              + f" | {rise:+.1f} |", flush=True)
+    return rows
+
+
+def runs_table(runs: int, seed: int, rules: GateRules, classes: int = 10) -> list[dict]:
+    """Weeks in a row: the drift they ship, by test size and loss a week."""
+    recall = np.random.default_rng([seed, classes]).uniform(0.60, 0.94, classes)
+    print(f"\n### Weeks in a row: {RUN_WEEKS} weeks, {classes} classes, 6% disagreement a week, the test set growing "
+          f"by a tenth of its first size a week; {runs} runs a cell\n")
+    print("| Test images (week 1) | Loss a week | Weeks too small | Weeks refused | Runs that never shipped more than "
+          "the budget | First refusal before the sum passed it | Loss shipped after 12 weeks (mean) | (worst run) | Anchor moves (mean) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for n, loss in itertools.product(RUN_SIZES, RUN_LOSSES):
+        small = refused = weeks_run = caught = first = 0
+        shipped, moves = [], []
+        for r in range(runs):
+            run = run_weeks(n, n // 10, classes, recall, 0.06, loss, RUN_WEEKS, rules,
+                            np.random.default_rng([seed, n, int(loss * 1e4), r]), stop_at_refusal=False)
+            small += sum(run.too_small)
+            weeks_run += len(run.blessed)
+            refused += sum(not b for b in run.blessed)
+            caught += run.shipped_loss[-1] <= rules.drift_budget + 1e-9  # never shipped beyond the budget
+            stop = run.first_refusal  # the issue's view: the first refusal comes before the sum passes the budget
+            first += stop is not None and loss * (stop - 1) <= rules.drift_budget + 1e-9
+            shipped.append(run.shipped_loss[-1])
+            moves.append(run.anchors)
+        row = {"n": n, "loss": loss, "small": 100 * small / weeks_run, "refused": 100 * refused / weeks_run,
+               "caught": 100 * caught / runs, "first": 100 * first / runs, "mean": float(np.mean(shipped)), "worst": float(np.max(shipped)),
+               "moves": float(np.mean(moves))}
+        rows.append(row)
+        print(f"| {n:,} | {loss * 100:.1f} pt | {row['small']:.1f} | {row['refused']:.1f} | "
+              + ("" if loss == 0 else f"{row['caught']:.1f} | {row['first']:.1f}") + (" | " if loss == 0 else "")
+              + f" | {row['mean'] * 100:.2f} pt | "
+              f"{row['worst'] * 100:.1f} pt | {row['moves']:.1f} |", flush=True)
+    return rows
+
+
 def targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
     """The targets the defaults must meet, each with whether it holds and its worst cell."""
     def worst(name: str, cells: list[dict], key: str, low: bool) -> tuple[str, bool, str]:
+        if not cells:
+            return name, True, "not run"
         cell = (min if low else max)(cells, key=lambda r: r[key])
         ok = cell[key] >= 95 if key == "blessed_judged" else (cell[key] >= 90 if low else cell[key] <= 5)
         return name, ok, f"{cell[key]:.1f}% ({cell['week']}, {cell['n']:,} images, {cell['k']:,} classes)"
@@ -98,6 +179,24 @@ def targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
             worst("the per-class rules refuse an equal challenger <= 5%", equal, "by_class", False)]
 
 
+def drift_targets(disagreement: list[dict], runs: list[dict], rules: GateRules) -> list[tuple[str, bool, str]]:
+    """The targets of the disagreement and weeks-in-a-row tables."""
+    within = [r for r in disagreement if r["loss"] < rules.drift_budget]
+    rise = max(within, key=lambda r: r["rise"])
+    beyond = max((x for r in disagreement if r["loss"] > rules.drift_budget for x in r["rates"] if x is not None),
+                 default=0.0)
+    point = [r for r in runs if r["loss"] == 0.01 and r["n"] == 1_000]
+    caught = min(runs, key=lambda r: r["caught"] if r["loss"] else 101)
+    return [("top-1 rules: more disagreement never raises the bless rate within the budget (rise <= 5 points)",
+             rise["rise"] <= 5, f"{rise['rise']:+.1f} points ({rise['loss'] * 100:.1f} pt loss)"),
+            (f"beyond the budget, blessed <= {100 * (1 - rules.drift_confidence):.0f}% at any disagreement",
+             beyond <= 100 * (1 - rules.drift_confidence), f"{beyond:.1f}%"),
+            ("weeks 1 point worse at 1,000 images: the first refusal before their sum passes 3 points >= 90%",
+             bool(point) and point[0]["first"] >= 90, f"{point[0]['first']:.1f}%" if point else "not run"),
+            ("runs of losing weeks never ship more than the budget in 12 weeks >= 90%", caught["caught"] >= 90,
+             f"{caught['caught']:.1f}% ({caught['n']:,} images, {caught['loss'] * 100:.1f} pt a week)")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--weeks", type=int, default=300, help="simulated weeks per cell")
@@ -109,8 +208,9 @@ def main() -> None:
     cfg = ReleaseConfig()
     rules = GateRules.from_config(cfg)
     print(f"gate_power: {args.weeks} weeks per cell; release defaults: margin {cfg.margin}, min_support "
-          f"{cfg.min_support}, max_class_drop {cfg.max_class_drop}, too_small {cfg.too_small}, confidence "
-          f"{rules.confidence}, power {rules.power}")
+          f"{cfg.min_support}, max_class_drop {cfg.max_class_drop}, too_small {cfg.too_small}, drift_budget "
+          f"{cfg.drift_budget}, drift_confidence {cfg.drift_confidence}, confidence {rules.confidence}, power "
+          f"{rules.power}")
     print("\n| Week | Test images | Classes | Images/class | Judged | Blessed | Blessed, of the judged | Refused "
           "| Refused by a class rule |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -136,8 +236,12 @@ def main() -> None:
         print(f"| {week.name} | {n:,} | {k:,} | {n // k} | {row['judged']:.1f} | {row['blessed']:.1f} | "
               + (f"{row['blessed_judged']:.1f}" if judged else "") + f" | {row['refused']:.1f} | {row['by_class']:.1f} |",
               flush=True)
+    top1 = GateRules(**{**vars(rules), "min_support": 10**9})  # no class judged: the top-1 rules alone
+    disagreement = disagreement_table(args.weeks, args.seed, top1, "the top-1 rules alone (no class judged)")
+    disagreement_table(args.weeks, args.seed, rules, "every rule (the per-class rule too)")
+    runs = runs_table(max(args.weeks // 3, 10), args.seed, rules)
     print("\n| Target | Met | Worst cell |\n|---|---|---|")
-    for name, ok, cell in targets(rows):
+    for name, ok, cell in targets(rows) + drift_targets(disagreement, runs, rules):
         print(f"| {name} | {'yes' if ok else 'NO'} | {cell} |")
     print(f"\ngate_power: {time.perf_counter() - t0:.0f} s")
 

@@ -20,6 +20,8 @@ def main() -> int:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--repo", default=".", help="the git and DVC repository whose tags name the champion")
     parser.add_argument("--out", default="models/champion")
+    parser.add_argument("--verdict", default="metrics/gate.json",
+                        help="where the gate's verdict is committed: the champion's names the drift budget's anchor")
     args = parser.parse_args()
     try:
         cfg = release_config(load_params(args.params))
@@ -27,7 +29,7 @@ def main() -> int:
         print(f"champion: {exc}", file=sys.stderr)
         return 2
     try:
-        about = fetch_champion(Path(args.repo).resolve(), cfg, Path(args.out))
+        about = fetch_champion(Path(args.repo).resolve(), cfg, Path(args.out), args.verdict)
     except (KeyError, ProductionUnknown) as exc:
         print(f"champion: {exc}", file=sys.stderr)
         return 2
@@ -41,7 +43,7 @@ def main() -> int:
               f"champion: no version of {about['artifact']!r} is in {about['stage']!r}, {about['told']}")
     else:
         print(f"champion: {about['artifact']} {about['version']} in {about['stage']} "
-              f"(commit {about['commit'][:12]}, {about['tag']})")
+              f"(commit {about['commit'][:12]}, {about['tag']}); the drift budget's anchor: {about['anchor']['why']}")
     return 0
 
 

@@ -119,6 +119,37 @@ def test_the_gate_judges_each_model_by_its_recipe_and_like_for_like(store, tmp_p
     assert not refused["blessed"] and any("stored_size: 32 != 16" in r for r in refused["reasons"])
 
 
+def test_the_gate_measures_the_drift_from_the_anchor_the_champion_stage_fetched(store, tmp_path):
+    """The champion stage puts the drift budget's anchor, when it is another model, in the champion's
+    `anchor/` folder: the gate runs it on today's test images, names it, and records what the weeks after
+    this one are measured against (`anchor_next`). Without a champion the first model is its own anchor."""
+    root, data = store
+    champion = make_model(tmp_path / "champion", CLASSES, data, seed=2)
+    make_model(champion / "anchor", CLASSES, data, seed=4)
+    anchor = {"commit": "b" * 40, "version": "v0.1.0", "path": "models/optimized/best.pt", "sha256": "c" * 64,
+              "same_as_champion": False, "why": "v0.1.0, the last model shown within the margin"}
+    (champion / "champion.json").write_text(json.dumps({"version": "v0.2.0", "commit": "a" * 40, "anchor": anchor}))
+    challenger = make_model(tmp_path / "challenger", CLASSES, data, seed=3)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "eval.json").write_text(json.dumps({"top1": 0.9}))
+    cfg = ReleaseConfig(floors={})
+    verdict = run_gate(cfg, champion, challenger, tmp_path / "metrics", root / "prepared", tmp_path / "out",
+                       torch.device("cpu"))
+    split = open_split(root / "prepared", "test")
+    theirs = through_the_store(champion / "anchor", root / "prepared").argmax(1).numpy()
+    ours = through_the_store(challenger, root / "prepared").argmax(1).numpy()
+    right = (theirs == split.labels).mean(), (ours == split.labels).mean()
+    assert verdict["drift"]["anchor"] == anchor["why"] and verdict["drift"]["images"] == len(split)
+    assert (verdict["drift"]["anchor_top1"], verdict["drift"]["challenger_top1"]) == pytest.approx(right)
+    expected = {"self": True} if verdict["drift"]["new_anchor"] else {k: anchor[k] for k in ("commit", "version",
+                                                                                              "path", "sha256")}
+    assert verdict["anchor_next"] == expected
+    assert "Drift from the anchor" in (tmp_path / "out" / "gate.md").read_text()
+    first = run_gate(cfg, tmp_path / "nobody", challenger, tmp_path / "metrics", root / "prepared", tmp_path / "out",
+                     torch.device("cpu"))
+    assert first["first_model"] and first["anchor_next"] == {"self": True}
+
+
 def variant(data: DataConfig) -> VariantConfig:
     return VariantConfig("optimized", 0, data, ModelConfig(name="test_resnet", init="champion"), TrainConfig())
 

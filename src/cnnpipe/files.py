@@ -19,6 +19,8 @@ _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 CHAMPION_FILE = "champion.json"
 """What the champion stage writes beside the model in production: its version and commit (read by the
 warm start and the gate)."""
+ANCHOR_DIR = "anchor"
+"""The champion stage's folder for the gate's drift anchor (its best.pt), when that is another model."""
 
 
 class DiskFull(OSError):

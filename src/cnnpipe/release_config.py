@@ -71,7 +71,15 @@ class ReleaseConfig:
     new_class_min_recall: float = 0.5
     """A new class fails when its recall is below this beyond doubt."""
     max_to_new_class: float = 0.25
-    """The most of an old class's test images the challenger may now call one new class."""
+    """The most of an old class's test images the challenger may now call any new class."""
+    drift_budget: float = 0.03
+    """The most top-1 the challenger may lose against the anchor (the last model shown within `margin`
+    of the anchor before it and no worse than it), on today's test set: a run of weeks too small to
+    judge, each a small loss, is refused once their sum is beyond this (a one-sided lower bound). Also
+    the widest margin a week too small to judge is judged at."""
+    drift_confidence: float = 0.8
+    """The one-sided confidence of the week's and the drift's bounds on a test set too small to show
+    `drift_budget` at 95% (a larger set uses 95%)."""
     renamed: dict[str, str] = field(default_factory=dict)
     """Classes renamed since the champion, {old: new}: compared as one class by the gate, and the
     warm start keeps the old class's classifier row for the new name."""
@@ -105,6 +113,10 @@ class ReleaseConfig:
             reject("release.new_class_min_recall", self.new_class_min_recall, "a recall in [0, 1]")
         if not 0.0 <= self.max_to_new_class <= 1.0:
             reject("release.max_to_new_class", self.max_to_new_class, "a share of a class's test images in [0, 1]")
+        if not self.margin <= self.drift_budget < 1.0:
+            reject("release.drift_budget", self.drift_budget, f"a share of top-1 in [release.margin={self.margin}, 1)")
+        if not 0.5 <= self.drift_confidence < 1.0:
+            reject("release.drift_confidence", self.drift_confidence, "a one-sided confidence in [0.5, 1), e.g. 0.8")
         if not 0.0 <= self.max_relabel_share <= 1.0:
             reject("release.max_relabel_share", self.max_relabel_share, "a share of a class's images in [0, 1]")
         if not (isinstance(self.renamed, dict) and all(isinstance(k, str) and isinstance(v, str) and k != v

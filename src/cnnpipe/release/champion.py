@@ -9,6 +9,13 @@ remote), so the champion is exactly what was promoted, whatever the workspace ho
 The output is rewritten only when its content changes: the stage reruns every time, and nothing
 downstream does unless the champion (or the hand-over below) changed.
 
+The anchor of the gate's drift budget comes with it: the verdict committed with the champion
+(`metrics/gate.json` at its commit, `anchor_next`) names the model the weeks after it are measured
+against: the champion itself when it was shown within the margin of its own anchor (or was the first
+model), else that anchor, whose bytes are fetched at its commit into `anchor/best.pt` and checked
+against the sha256 recorded. A release whose verdict records no anchor (one promoted before anchors
+were recorded, or by hand without a verdict) makes the champion the anchor, and champion.json says so.
+
 champion.json also carries the warm start's hand-over from the release params (`warm_start`:
 `renamed` and `across_recipes`), so that training, which reads it, reruns when they change.
 """
@@ -24,10 +31,11 @@ from typing import Any
 import yaml
 
 from cnnpipe.release_config import ReleaseConfig
-from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
-from cnnpipe.release.production import lookup
+from cnnpipe.files import ANCHOR_DIR, CHAMPION_FILE, file_sha256, write_json
+from cnnpipe.release.production import ProductionUnknown, git, lookup
 
 MODEL = "best.pt"
+VERDICT = "metrics/gate.json"  # where the gate stage's verdict is committed (dvc.yaml: the gate's metrics)
 
 
 def artifact_path(repo: Path | None, name: str, dvc_yaml: str | None = None) -> str:
@@ -57,15 +65,52 @@ def download(repo: str, path: str, commit: str, out: Path) -> str:
     return digest
 
 
-def fetch_champion(repo: Path, cfg: ReleaseConfig, out: Path) -> dict[str, Any]:
+def recorded_anchor(repo: Path, commit: str, verdict: str = VERDICT) -> dict[str, Any] | None:
+    """The anchor the verdict committed at `commit` names for the weeks after it (`anchor_next`:
+    `{"self": true}` or the anchor's commit, version, path and sha256), or None when the commit holds
+    no verdict or the verdict names none. A verdict that cannot be read is an error."""
+    shown = git(repo, "show", f"{commit}:{verdict}", check=False)
+    if shown.returncode != 0:
+        return None
+    try:
+        return json.loads(shown.stdout).get("anchor_next")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ProductionUnknown(f"{verdict} at commit {commit[:12]} is not a gate verdict ({exc}): the anchor of the "
+                                "drift budget cannot be told; restore the file the gate wrote there") from exc
+
+
+def fetch_anchor(repo: Path, found: dict[str, Any], path: str, digest: str, out: Path,
+                 verdict: str = VERDICT) -> dict[str, Any]:
+    """The anchor for the champion `found` (its artifact `path`, its sha256 `digest`): fetched into
+    `out/anchor/best.pt` when it is another model, removed from there when it is the champion."""
+    record = recorded_anchor(repo, found["commit"], verdict)
+    folder = out / ANCHOR_DIR
+    if record is None or record.get("self") or record.get("commit") == found["commit"]:
+        shutil.rmtree(folder, ignore_errors=True)
+        why = (f"the champion: its release's {verdict} records no anchor" if record is None
+               else "the champion, shown within the margin of the anchor before it")
+        return {"commit": found["commit"], "version": found.get("version"), "path": path, "sha256": digest,
+                "same_as_champion": True, "why": why}
+    got = download(str(repo), record["path"], record["commit"], folder / MODEL)
+    if got != record.get("sha256"):
+        raise ProductionUnknown(f"the anchor {record.get('version')} at commit {record['commit'][:12]} has other bytes "
+                                f"({got[:12]}) than its verdict recorded ({str(record.get('sha256'))[:12]}): "
+                                "`dvc pull` at that commit, or promote a model shown within the margin")
+    return {**{k: record.get(k) for k in ("commit", "version", "path", "sha256")}, "same_as_champion": False,
+            "why": f"{record.get('version')}, the last model shown within the margin of the anchor before it"}
+
+
+def fetch_champion(repo: Path, cfg: ReleaseConfig, out: Path, verdict: str = VERDICT) -> dict[str, Any]:
     """Write the champion's best.pt and champion.json to `out`, or champion.json saying there is none
-    (the returned dict then says, under `told`, when the remote was not needed, "" otherwise).
-    Raises production.ProductionUnknown when what is in production cannot be told for sure."""
+    (the returned dict then says, under `told`, when the remote was not needed, "" otherwise); with the
+    champion, the drift budget's anchor (`fetch_anchor`). Raises production.ProductionUnknown when what
+    is in production, or its anchor, cannot be told for sure."""
     found, told = lookup(repo, cfg.artifact, cfg.stage, cfg.remote)
     handover = {"renamed": dict(cfg.renamed), "across_recipes": cfg.warm_start_across_recipes}
     out.mkdir(parents=True, exist_ok=True)
     if found is None:
         (out / MODEL).unlink(missing_ok=True)
+        shutil.rmtree(out / ANCHOR_DIR, ignore_errors=True)
         about: dict[str, Any] = {"artifact": cfg.artifact, "stage": cfg.stage, "version": None,
                                  "reason": f"no version of {cfg.artifact!r} is in {cfg.stage!r}, here or on the remote: "
                                            "the gate judges on the floors alone and training starts as `pretrained`",
@@ -74,7 +119,8 @@ def fetch_champion(repo: Path, cfg: ReleaseConfig, out: Path) -> dict[str, Any]:
         return {**about, "told": told}  # a laptop going offline retrains nothing
     path = artifact_path(repo, cfg.artifact)
     digest = download(str(repo), path, found["commit"], out / MODEL)
-    about = {**found, "path": path, "sha256": digest, "warm_start": handover}
+    anchor = fetch_anchor(repo, found, path, digest, out, verdict)
+    about = {**found, "path": path, "sha256": digest, "warm_start": handover, "anchor": anchor}
     _write_if_changed(out / CHAMPION_FILE, about)
     return about
 

@@ -1,29 +1,39 @@
 """The gate's decision: is the challenger at least as good as the champion it would replace?
 
 The API is one pure function, `judge(labels, champion_pred, challenger_pred, classes,
-champion_classes, rules, challenger_pred_known=None)`, on the answers both models gave on the same
-test images; it returns a JSON-able dict with `blessed` and `reasons` (and every number behind
-them). The gate stage (`verdict.run_gate`) only computes those answers and writes the dict out.
+champion_classes, rules, challenger_pred_known=None, anchor_pred=None, anchor_classes=None)`, on the
+answers the models gave on the same test images; it returns a JSON-able dict with `blessed` and
+`reasons` (and every number behind them). The gate stage (`verdict.run_gate`) only computes those
+answers and writes the dict out.
 
 Like for like. A class the champion never saw cannot be held against it, and must not buy the
-challenger anything either: the comparison runs on the test images whose class the champion knows
-(through `release.renamed` when a class was renamed), with the challenger's answer taken among those
-classes only (its argmax restricted to them: `challenger_pred_known`). On those images:
+challenger anything either: the top-1 comparison runs on the test images whose class the champion
+knows (through `release.renamed` when a class was renamed), with the challenger's answer taken among
+those classes only (its argmax restricted to them: `challenger_pred_known`). On those images
+(`paired.compare`, `paired.drift`):
 
-- **non-inferiority** of top-1: the one-sided 95% lower bound of (challenger - champion) must be
-  above `-margin` (Newcombe's hybrid score interval with the continuity-adjusted correlation,
-  `stats.newcombe_interval`). When it is not: with at least the images the margin needs at the
-  observed discordance (`stats.images_needed`), refused; with fewer, refused only when the
-  challenger is worse beyond doubt (the 99% upper bound below 0), else **too small to judge**, its
-  own verdict, with the number of images needed; `rules.too_small` says whether the loop then
-  refuses or blesses with a warning.
+- **the week's margin** of top-1: non-inferior when the one-sided 95% lower bound of (challenger -
+  champion) is above `-margin`; refused when it is not on a test set that supports the margin; on a
+  smaller one **too small to judge**, its own verdict with the images needed, where `rules.too_small`
+  says whether the loop refuses or judges the week at the margin that test set supports (at most
+  `drift_budget`). Which case applies depends on the test set's size and the two accuracies, never
+  on how much the models disagree: more disagreement never buys a blessing.
+- **the drift budget**: against the anchor (the last model shown within the margin of the anchor
+  before it, and no worse than it; the champion when none is recorded), on today's whole test set,
+  the lower bound (at `drift_confidence` where the set cannot show the budget at 95%) must be above
+  `-drift_budget`, so small losses cannot add up week after week.
+
+What is served. The old classes are also judged on the answer the challenger will serve (its argmax
+over all of today's classes), where an old class's image called a new class is wrong:
+
 - **no class left behind**: per class with at least `min_support` images, a one-sided exact
-  McNemar test that the challenger lost recall, corrected for the number of classes by Holm's
+  McNemar test that the challenger lost served recall, corrected for the number of classes by Holm's
   step-down with Tarone's count (`stats.tarone_holm`: a class whose answers changed on too few
   images to ever be significant does not dilute the others); a class fails when its test is
-  rejected and it lost more than `max_class_drop` of recall.
-- **drained into a new class**: the share of an old class's images the challenger (unrestricted)
-  now calls one new class, per pair, at most `max_to_new_class`.
+  rejected and it lost more than `max_class_drop` of recall, whether its images went to another old
+  class or to new ones. Its recall among the champion's classes is reported beside it.
+- **drained into new classes**: the share of an old class's images the challenger now calls any new
+  class, at most `max_to_new_class`.
 
 New classes are judged on their own: a one-sided exact test that a class's recall is below
 `new_class_min_recall`, Holm-adjusted over the new classes. Removed classes are listed. Floors apply
@@ -46,20 +56,10 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 from scipy.stats import binom
 
-from cnnpipe.release.stats import (
-    holm,
-    images_needed,
-    mcnemar_p,
-    newcombe_interval,
-    paired_counts,
-    tarone_holm,
-    wilson,
-    worse_p,
-    z_of,
-)
+from cnnpipe.release.paired import compare, drift, drift_reason, paired_reason, too_small_warning
+from cnnpipe.release.stats import holm, tarone_holm, wilson, worse_p, z_of
 
 REPORTED_CLASSES = 20  # the worst classes listed in the verdict (every failing one is listed too)
-WORSE_CONFIDENCE = 0.99  # "worse beyond doubt" on a test set too small for the margin: 1% of equal challengers
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,8 @@ class GateRules:
     too_small: Literal["bless", "refuse"] = "bless"
     new_class_min_recall: float = 0.5
     max_to_new_class: float = 0.25
+    drift_budget: float = 0.03
+    drift_confidence: float = 0.8
     renamed: Mapping[str, str] = field(default_factory=dict)
     floors: Mapping[str, float] = field(default_factory=lambda: {"top1": 0.5})
 
@@ -91,7 +93,8 @@ class GateRules:
         """The rules in a `ReleaseConfig`."""
         return cls(margin=cfg.margin, min_support=cfg.min_support, max_class_drop=cfg.max_class_drop,
                    too_small=cfg.too_small, new_class_min_recall=cfg.new_class_min_recall,
-                   max_to_new_class=cfg.max_to_new_class, renamed=dict(cfg.renamed), floors=dict(cfg.floors))
+                   max_to_new_class=cfg.max_to_new_class, drift_budget=cfg.drift_budget,
+                   drift_confidence=cfg.drift_confidence, renamed=dict(cfg.renamed), floors=dict(cfg.floors))
 
 
 @dataclass(frozen=True)
@@ -122,36 +125,13 @@ def class_map(classes: Sequence[str], champion_classes: Sequence[str], renamed: 
                     {old: new for old, new in renamed.items() if old in known_names and new in today})
 
 
-def compare(champion_right: np.ndarray, challenger_right: np.ndarray, rules: GateRules) -> dict[str, Any]:
-    """The paired statistics of top-1 on some test images and their outcome: `non-inferior`, `not-shown`
-    (the images the margin needs, and still not within it), `worse` (fewer images, but the 99% upper
-    bound is below 0) or `too-small`. The same function serves the whole set and any slice."""
-    t = paired_counts(champion_right, challenger_right)
-    lower, upper = newcombe_interval(t, rules.confidence)
-    needed = images_needed((t.champion_top1 + t.challenger_top1) / 2, t.discordance, rules.margin, rules.confidence,
-                           rules.power)
-    if t.n == 0:
-        outcome = "too-small"
-    elif lower > -rules.margin:
-        outcome = "non-inferior"
-    elif t.n >= needed:
-        outcome = "not-shown"
-    elif newcombe_interval(t, WORSE_CONFIDENCE)[1] < 0:
-        outcome = "worse"
-    else:
-        outcome = "too-small"
-    return {"images": t.n, "champion_top1": t.champion_top1, "challenger_top1": t.challenger_top1,
-            "difference": t.difference, "lower_bound": lower, "upper_bound": upper, "confidence": rules.confidence,
-            "method": "Newcombe hybrid score (method 10, continuity-adjusted phi), one-sided bounds",
-            "negative_flips": t.negative_flips, "positive_flips": t.positive_flips, "discordance": t.discordance,
-            "mcnemar_exact_p": mcnemar_p(t), "images_needed": needed if t.n else None, "outcome": outcome}
-
-
 def class_rule(labels: np.ndarray, champion_right: np.ndarray, challenger_right: np.ndarray, classes: Sequence[str],
-               rules: GateRules) -> list[dict[str, Any]]:
+               rules: GateRules, like_for_like_right: np.ndarray | None = None) -> list[dict[str, Any]]:
     """Per class present in `labels`: both recalls, the flips, the one-sided exact p that the challenger
     lost recall and the level it was tested at (`tarone_holm` over the judged classes, those with
-    `min_support` images or more), and whether it fails. Failing classes first, then by drop."""
+    `min_support` images or more), and whether it fails. Failing classes first, then by drop.
+    `like_for_like_right` (the challenger's answers among the champion's classes) adds its recall on
+    them to each row, reported beside the judged one."""
     k = len(classes)
     support = np.bincount(labels, minlength=k)
     hits = lambda right: np.bincount(labels, weights=right.astype(np.float64), minlength=k)  # noqa: E731
@@ -173,6 +153,11 @@ def class_rule(labels: np.ndarray, champion_right: np.ndarray, challenger_right:
              "challenger_recall": float(after[i]), "drop": float(drop[i]), "negative_flips": int(negative[i]),
              "positive_flips": int(positive[i]), "p_worse": float(p[i]), "level": float(level[i]),
              "judged": bool(judged[i]), "failing": bool(failing[i])} for i in np.flatnonzero(support)]
+    if like_for_like_right is not None:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            like = hits(like_for_like_right) / support
+        for row, i in zip(rows, np.flatnonzero(support)):
+            row["challenger_recall_like_for_like"] = float(like[i])
     return sorted(rows, key=lambda r: (not r["failing"], -r["drop"], r["class"]))
 
 
@@ -197,8 +182,8 @@ def new_class_rule(labels: np.ndarray, challenger_pred: np.ndarray, classes: Seq
 
 def new_class_pulls(labels: np.ndarray, challenger_pred: np.ndarray, classes: Sequence[str], cmap: ClassMap,
                     rules: GateRules) -> list[dict[str, Any]]:
-    """Per (old class, new class) pair: the old class's test images the challenger now calls the new
-    class, and whether that share is over `max_to_new_class` (judged on classes of `min_support`)."""
+    """Per old class: its test images the challenger now calls any new class (`to`: how many each),
+    and whether their share is over `max_to_new_class` (judged on classes of `min_support`)."""
     k = len(classes)
     new_index = np.flatnonzero(~cmap.known)
     if not len(new_index):
@@ -207,12 +192,14 @@ def new_class_pulls(labels: np.ndarray, challenger_pred: np.ndarray, classes: Se
     support = np.bincount(labels, minlength=k)
     pairs = np.bincount(labels[old] * k + challenger_pred[old], minlength=k * k).reshape(k, k)[:, new_index]
     rows = []
-    for i, j in zip(*np.nonzero(pairs)):
-        count, of = int(pairs[i, j]), int(support[i])
+    for i in np.flatnonzero(pairs.sum(1)):
+        count, of = int(pairs[i].sum()), int(support[i])
         share = count / of
-        rows.append({"from": classes[i], "to": classes[new_index[j]], "images": count, "of": of, "share": share,
+        to = {classes[new_index[j]]: int(pairs[i, j]) for j in np.flatnonzero(pairs[i])}
+        rows.append({"from": classes[i], "to": to,
+                     "images": count, "of": of, "share": share,
                      "failing": bool(of >= rules.min_support and share > rules.max_to_new_class + 1e-12)})
-    return sorted(rows, key=lambda r: (not r["failing"], -r["share"], r["from"], r["to"]))
+    return sorted(rows, key=lambda r: (not r["failing"], -r["share"], r["from"]))
 
 
 def floors_reasons(metrics: Mapping[str, Any], floors: Mapping[str, float]) -> tuple[list[str], bool]:
@@ -230,23 +217,27 @@ def floors_reasons(metrics: Mapping[str, Any], floors: Mapping[str, float]) -> t
 
 def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred: np.ndarray, classes: Sequence[str],
           champion_classes: Sequence[str], rules: GateRules, challenger_pred_known: np.ndarray | None = None, *,
-          metrics: Mapping[str, Any] | None = None,
-          slices: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+          metrics: Mapping[str, Any] | None = None, slices: Mapping[str, np.ndarray] | None = None,
+          anchor_pred: np.ndarray | None = None, anchor_classes: Sequence[str] | None = None,
+          anchor_name: str = "the champion: no anchor recorded") -> dict[str, Any]:
     """The gate's verdict on one test set.
 
     labels: each test image's class, an index into `classes` (today's).
     champion_pred: the champion's answer per image, an index into `champion_classes` (its own);
         None when there is no champion (the floors alone decide).
-    challenger_pred: the challenger's answer, an index into `classes`.
+    challenger_pred: the challenger's answer, an index into `classes`: the answer it will serve.
     challenger_pred_known: its answer among the classes the champion knows (the argmax over those
         logits alone); default `challenger_pred`, where an old-class image called a new class counts
         as wrong.
     metrics: the challenger's eval.json numbers, for `rules.floors` (None: no floors checked).
     slices: name -> boolean mask over the test images; each gets `compare`'s statistics, reported.
+    anchor_pred, anchor_classes, anchor_name: the anchor's answers (an index into its own classes),
+        for the drift budget; None: the champion is the anchor.
 
     Returns `blessed`, `reasons` (every rule's outcome, in words) and `warnings`, with the numbers:
-    `paired` (like for like), `classes_judged`, `classes_failing`, `worst_classes`, `new_classes`,
-    `removed_classes`, `renamed`, `to_new_classes`, `too_small` and `slices`.
+    `paired` (like for like), `served` (the served answers on the same images), `drift`,
+    `classes_judged`, `classes_failing`, `worst_classes`, `new_classes`, `removed_classes`, `renamed`,
+    `to_new_classes`, `too_small` and `slices`.
     """
     labels = np.asarray(labels, dtype=np.int64)
     challenger_pred = np.asarray(challenger_pred, dtype=np.int64)
@@ -264,28 +255,43 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     old = cmap.known[labels]
     champion_right = cmap.champion_to_today[np.asarray(champion_pred, dtype=np.int64)] == labels
     challenger_right = known_pred == labels
+    served_right = challenger_pred == labels  # an old class's image called a new class is wrong here
     paired = compare(champion_right[old], challenger_right[old], rules)
     verdict["paired"] = paired
-    reasons.append(_paired_reason(paired, rules, len(classes) - len(cmap.new), int((~old).sum())))
-    if paired["outcome"] in ("worse", "not-shown"):
+    verdict["served"] = compare(champion_right[old], served_right[old], rules)
+    reasons.append(paired_reason(paired, rules, len(classes) - len(cmap.new), int((~old).sum())))
+    if paired["outcome"] == "not-shown":
         failed = True
     elif paired["outcome"] == "too-small":
         verdict["too_small"] = {"images": paired["images"], "needed": paired["images_needed"],
-                                "action": rules.too_small}
-        failed |= rules.too_small == "refuse"
-        warnings.append(_too_small_warning(paired, rules))
+                                "action": rules.too_small, "week_margin": paired["week_margin"],
+                                "within_week_margin": paired["within_week_margin"]}
+        failed |= rules.too_small == "refuse" or not paired["within_week_margin"]
+        warnings.append(too_small_warning(paired, rules))
 
-    rows = class_rule(labels[old], champion_right[old], challenger_right[old], classes, rules)
+    if anchor_pred is None:
+        anchor_right, on = champion_right, old
+    else:
+        amap = class_map(classes, anchor_classes or [], rules.renamed)
+        anchor_right = amap.champion_to_today[np.asarray(anchor_pred, dtype=np.int64)] == labels
+        on = old & amap.known[labels]
+    verdict["drift"] = drifted = drift(anchor_right[on], challenger_right[on], rules, anchor_name)
+    failed |= not drifted["within"]
+    reasons.append(drift_reason(drifted))
+
+    rows = class_rule(labels[old], champion_right[old], served_right[old], classes, rules, challenger_right[old])
     failing = [r for r in rows if r["failing"]]
     failed |= bool(failing)
     judged = sum(r["judged"] for r in rows)
     for r in failing:
-        reasons.append(f"class {r['class']!r} loses {r['drop']:.1%} of recall ({r['champion_recall']:.1%} -> "
-                       f"{r['challenger_recall']:.1%} on {r['support']} images; {r['negative_flips']} now wrong, "
+        reasons.append(f"class {r['class']!r} loses {r['drop']:.1%} of recall as served ({r['champion_recall']:.1%} -> "
+                       f"{r['challenger_recall']:.1%} on {r['support']} images, "
+                       f"{r['challenger_recall_like_for_like']:.1%} among the champion's classes; "
+                       f"{r['negative_flips']} now wrong, "
                        f"{r['positive_flips']} now right; p={r['p_worse']:.2g}, below the {r['level']:.2g} the "
                        f"correction for {judged} classes asks), more than the allowed {rules.max_class_drop:.1%}")
     if not failing:
-        reasons.append(f"no class loses recall beyond doubt and by more than {rules.max_class_drop:.1%} "
+        reasons.append(f"no class loses recall as served beyond doubt and by more than {rules.max_class_drop:.1%} "
                        f"({judged} classes with at least {rules.min_support} test images judged, "
                        f"{rules.class_alpha:.0%} for them all)")
     verdict.update(classes_judged=judged, classes_failing=[r["class"] for r in failing],
@@ -306,8 +312,9 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     for r in pulls:
         if r["failing"]:
             failed = True
+            to = ", ".join(f"{name!r} {count}" for name, count in r["to"].items())
             reasons.append(f"{r['images']} of {r['of']} test images of {r['from']!r} ({r['share']:.1%}) are now "
-                           f"called the new class {r['to']!r}: more than the allowed {rules.max_to_new_class:.0%}")
+                           f"called a new class ({to}): more than the allowed {rules.max_to_new_class:.0%}")
     if cmap.removed:
         reasons.append(f"classes the champion knew and today's data no longer has: {', '.join(cmap.removed)}")
     unknown = sorted(set(rules.renamed) - set(cmap.renamed))
@@ -317,32 +324,9 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     for name, mask in (slices or {}).items():
         mask = np.asarray(mask, dtype=bool) & old
         verdict["slices"][name] = compare(champion_right[mask], challenger_right[mask], rules)
+    # Only a challenger shown within the margin and no worse than the anchor on these images replaces it:
+    # one shown within the margin but a little worse would let the anchor follow a slow slide down.
+    drifted["new_anchor"] = not failed and drifted["shown_within_margin"] and drifted["difference"] >= 0
     verdict.update(new_classes=new_rows, removed_classes=cmap.removed, renamed=cmap.renamed,
                    to_new_classes=pulls[:REPORTED_CLASSES], blessed=not failed, reasons=reasons, warnings=warnings)
     return verdict
-
-
-def _paired_reason(p: dict[str, Any], rules: GateRules, known: int, excluded: int) -> str:
-    where = (f"the same {p['images']} test images of the {known} classes the champion knows"
-             + (f" ({excluded} images of new classes left out)" if excluded else ""))
-    head = (f"top-1 {p['challenger_top1']:.2%} against the champion's {p['champion_top1']:.2%} on {where}: "
-            f"{p['difference']:+.2%}, at worst {p['lower_bound']:+.2%} and at best {p['upper_bound']:+.2%} "
-            f"({rules.confidence:.0%} sure each)")
-    tail = (f"; {p['negative_flips']} images it now gets wrong, {p['positive_flips']} it now gets right "
-            f"(McNemar p={p['mcnemar_exact_p']:.3g})")
-    outcome = {
-        "non-inferior": f", within the allowed -{rules.margin:.2%}",
-        "worse": f": worse than the champion beyond doubt, and possibly by more than the allowed -{rules.margin:.2%}",
-        "not-shown": f": not shown within the allowed -{rules.margin:.2%} on {p['images']} images, enough to show it",
-        "too-small": ": too few test images to judge",
-    }[p["outcome"]]
-    return head + outcome + tail
-
-
-def _too_small_warning(p: dict[str, Any], rules: GateRules) -> str:
-    need = (f"about {p['images_needed']:,} test images of the champion's classes are needed to tell a "
-            f"{rules.margin:.0%} loss from none at this discordance ({p['discordance']:.1%} of answers change)"
-            if p["images_needed"] is not None else "no test image of a class the champion knows")
-    action = ("the loop blesses it with this warning (release.too_small: bless)" if rules.too_small == "bless"
-              else "the loop refuses it (release.too_small: refuse)")
-    return f"TOO SMALL TO JUDGE: {p['images']:,} test images; {need}; {action}"

@@ -68,15 +68,29 @@ def render(verdict: dict[str, Any]) -> str:
                   "| Images | Test images | Champion top-1 | Challenger top-1 | Change | At worst | At best | Flips "
                   "| Needed | Outcome |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
                   _paired_row("all", paired)]
+        if verdict.get("served"):
+            lines.append(_paired_row("all, as served (a new class's answer is wrong)", verdict["served"]))
         lines += [_paired_row(name, p) for name, p in (verdict.get("slices") or {}).items()]
+    drift = verdict.get("drift")
+    if drift:
+        lines += ["", f"## Drift from the anchor ({_cell(drift['anchor'])})", "",
+                  "| Test images | Anchor top-1 | Challenger top-1 | Change | At worst | Budget | Within "
+                  "| New anchor |",
+                  "|---:|---:|---:|---:|---:|---:|---|---|",
+                  f"| {drift['images']:,} | {drift['anchor_top1']:.2%} | {drift['challenger_top1']:.2%} | "
+                  f"{drift['difference']:+.2%} | {drift['lower_bound']:+.2%} ({drift['confidence']:.0%}) | "
+                  f"-{drift['budget']:.2%} | {'yes' if drift['within'] else 'NO'} | "
+                  f"{'yes' if drift.get('new_anchor') else 'no'} |"]
     if verdict.get("worst_classes"):
-        lines += ["", f"## Classes ({verdict['classes_judged']} judged; the worst first)", "",
-                  "| Class | Test images | Champion recall | Challenger recall | Change | Flips | p | Tested at | |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += ["", f"## Classes as served ({verdict['classes_judged']} judged; the worst first)", "",
+                  "| Class | Test images | Champion recall | Challenger recall | Among the champion's classes | Change "
+                  "| Flips | p | Tested at | |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for c in verdict["worst_classes"]:
             mark = "FAILS" if c["failing"] else ("" if c["judged"] else "too few to judge")
             lines.append(f"| {_cell(c['class'])} | {c['support']} | {c['champion_recall']:.1%} | "
-                         f"{c['challenger_recall']:.1%} | {-c['drop']:+.1%} | {c['negative_flips']} / "
+                         f"{c['challenger_recall']:.1%} | "
+                         f"{c.get('challenger_recall_like_for_like', float('nan')):.1%} | "
+                         f"{-c['drop']:+.1%} | {c['negative_flips']} / "
                          f"{c['positive_flips']} | {c['p_worse']:.2g} | {c['level']:.2g} | {mark} |")
     if verdict.get("new_classes"):
         lines += ["", "## New classes, judged on their own", "",
@@ -89,7 +103,8 @@ def render(verdict: dict[str, Any]) -> str:
         lines += ["", "## Old classes' test images now called a new class", "",
                   "| From | To | Images | Share | |", "|---|---|---:|---:|---|"]
         for r in verdict["to_new_classes"]:
-            lines.append(f"| {_cell(r['from'])} | {_cell(r['to'])} | {r['images']} of {r['of']} | {r['share']:.1%} | "
+            to = ", ".join(f"{name} {count}" for name, count in r["to"].items())
+            lines.append(f"| {_cell(r['from'])} | {_cell(to)} | {r['images']} of {r['of']} | {r['share']:.1%} | "
                          f"{'FAILS' if r['failing'] else ''} |")
     if verdict.get("relabels"):
         lines += ["", "## Relabelled this week (bytes the split ledger knew under another label)", "",

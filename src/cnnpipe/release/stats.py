@@ -14,8 +14,9 @@
   cannot be significant among many classes, so it does not count in the correction. With
   thousands of classes, most with few changes, this is what leaves the gate the power to see one
   class that fell.
-- `images_needed`: the test size a non-inferiority margin needs at a discordance, the normal
-  approximation of the paired design (Connor 1987; Nam 1997) with the true difference at 0.
+- `images_needed` / `margin_supported`: the test size a non-inferiority margin needs at a
+  discordance, and the margin a test size supports, the normal approximation of the paired design
+  (Connor 1987; Nam 1997) with the true difference at 0, on the bound the gate computes.
 """
 
 from __future__ import annotations
@@ -173,13 +174,27 @@ def tarone_holm(p: np.ndarray, least_p: np.ndarray, alpha: float) -> tuple[np.nd
     return rejected, level
 
 
+def margin_supported(n: int, accuracy: float, discordance: float, confidence: float = 0.95,
+                     power: float = 0.95) -> float:
+    """The smallest non-inferiority margin `n` test images can show for an equal challenger with
+    probability `power`: minus the one-sided `confidence` lower bound of an equal challenger's table
+    whose difference is drawn `z_power` standard deviations unlucky (d = -z_power * sqrt(discordance / n)).
+    Both models right on `accuracy` of the images, disagreeing on `discordance` of them. It depends on
+    the test set and the planning discordance only, never on the observed difference."""
+    if n <= 0:
+        return 1.0
+    d = -z_of(power) * math.sqrt(max(discordance, 0.0) / n)
+    negative = n * (discordance - d) / 2
+    positive = max(0.0, n * (discordance + d) / 2)
+    both_right = max(0.0, n * accuracy - negative)
+    table = Paired(both_right, negative, positive, max(0.0, n - both_right - negative - positive))  # type: ignore[arg-type]
+    return -newcombe_interval(table, confidence)[0]
+
+
 def images_needed(accuracy: float, discordance: float, margin: float, confidence: float = 0.95,
                   power: float = 0.95) -> int:
     """Test images a non-inferiority comparison needs so that an equal challenger clears `margin` with
-    probability `power`: the smallest n at which the one-sided `confidence` lower bound of an equal
-    challenger's table, its difference drawn `z_power` standard deviations unlucky
-    (d = -z_power * sqrt(discordance / n)), is above -margin. Both models right on `accuracy` of the
-    images, disagreeing on `discordance` of them.
+    probability `power`: the smallest n with `margin_supported(n, ...)` below `margin`.
 
     For a large n this is the paired design's normal approximation (Connor 1987; Nam 1997),
     (z_confidence + z_power)^2 * discordance / margin^2; on the bound itself it also counts what a
@@ -187,15 +202,9 @@ def images_needed(accuracy: float, discordance: float, margin: float, confidence
     still need enough images for their accuracies' intervals to fit in the margin."""
     if margin <= 0:
         return NEVER
-    z_power = z_of(power)
 
     def clears(n: int) -> bool:
-        d = -z_power * math.sqrt(max(discordance, 0.0) / n)
-        negative = n * (discordance - d) / 2
-        positive = max(0.0, n * (discordance + d) / 2)
-        both_right = max(0.0, n * accuracy - negative)
-        table = Paired(both_right, negative, positive, max(0.0, n - both_right - negative - positive))  # type: ignore[arg-type]
-        return newcombe_interval(table, confidence)[0] > -margin
+        return margin_supported(n, accuracy, discordance, confidence, power) < margin
 
     low, high = 1, 64
     while not clears(high):
@@ -206,4 +215,3 @@ def images_needed(accuracy: float, discordance: float, margin: float, confidence
         mid = (low + high) // 2
         low, high = (low, mid) if clears(mid) else (mid + 1, high)
     return high
-

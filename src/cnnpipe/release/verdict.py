@@ -21,7 +21,7 @@ from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.data.held_out import open_judged
 from cnnpipe.data.loaders import build_eval_loader
 from cnnpipe.data.store import PreparedSplit, read_index
-from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
+from cnnpipe.files import ANCHOR_DIR, CHAMPION_FILE, file_sha256, write_json
 from cnnpipe.release.gate import GateRules, class_map, judge
 from cnnpipe.release.render import render
 from cnnpipe.release.slices import slice_masks, week_relabels
@@ -56,6 +56,32 @@ def answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit, 
     pred = torch.cat(top).cpu().numpy() if top else np.zeros(0, np.int64)
     known = (torch.cat(top_among).cpu().numpy() if top_among else np.zeros(0, np.int64)) if among is not None else None
     return pred, known
+
+
+def anchor_answers(champion: Path, about: dict[str, Any], split: PreparedSplit, store: dict[str, Any],
+                   device: torch.device) -> dict[str, Any]:
+    """`judge`'s anchor arguments: the anchor's answers on today's test images when the champion stage
+    fetched another model than the champion (`champion`/anchor/best.pt), else the champion as anchor."""
+    anchor = about.get("anchor") or {}
+    if not (champion / ANCHOR_DIR / "best.pt").exists() or anchor.get("same_as_champion", True):
+        return {"anchor_name": f"the champion {about.get('version')}: {anchor.get('why', 'no anchor recorded')}"}
+    model, meta = load_trained(champion / ANCHOR_DIR, device)
+    other_pixels = recipe_differences(recipe_of(meta), store, STORE_KEYS)
+    if other_pixels:
+        raise ValueError(f"the drift budget's anchor {anchor.get('version')} was trained on other inputs than today's "
+                         f"store ({'; '.join(other_pixels)}): its drift cannot be measured on these pixels; keep "
+                         "data.stored_size, or promote a model shown within the margin of one on these pixels")
+    pred, _ = answers(model, meta, split, device)
+    return {"anchor_pred": pred, "anchor_classes": meta["classes"], "anchor_name": anchor["why"]}
+
+
+def next_anchor(verdict: dict[str, Any], about: dict[str, Any]) -> dict[str, Any]:
+    """The anchor the weeks after this one are measured against, if this challenger is promoted: itself
+    when it is the first model or was shown within the margin of the anchor, else today's anchor."""
+    if verdict.get("first_model") or (verdict.get("drift") or {}).get("new_anchor"):
+        return {"self": True}
+    anchor = about.get("anchor") or {k: about.get(k) for k in ("commit", "version", "path", "sha256")}
+    return {k: anchor.get(k) for k in ("commit", "version", "path", "sha256")}
 
 
 def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_metrics: Path, prepared_dir: Path,
@@ -100,8 +126,10 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
                 "promote with --override after comparing them yourself"])
         else:
             their_pred, _ = answers(their_model, their_meta, split, device)
+            anchor = anchor_answers(champion, about, split, store, device)
             verdict = judge(split.labels, their_pred, ours, classes, their_meta["classes"], rules, ours_known,
-                            metrics=metrics, slices=slice_masks(prepared_dir, kept))
+                            metrics=metrics, slices=slice_masks(prepared_dir, kept), **anchor)
+    verdict["anchor_next"] = next_anchor(verdict, about)
     verdict["relabels"], relabelled = week_relabels(data_report, index, cfg.max_relabel_share)
     if memorised:
         notes.append(f"{memorised} test image(s) were in a training split before (the split ledger): a model may "
@@ -116,6 +144,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
                         "min_support": cfg.min_support, "max_class_drop": cfg.max_class_drop,
                         "too_small": cfg.too_small, "new_class_min_recall": cfg.new_class_min_recall,
                         "max_to_new_class": cfg.max_to_new_class, "renamed": dict(cfg.renamed),
+                        "drift_budget": cfg.drift_budget, "drift_confidence": cfg.drift_confidence,
                         "max_relabel_share": cfg.max_relabel_share,
                         "floors": dict(cfg.floors), "stage": cfg.stage, "artifact": cfg.artifact}
     if delivery is not None and delivery.exists():  # the week's flags, repeated (not a reason to refuse)

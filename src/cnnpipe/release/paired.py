@@ -1,0 +1,142 @@
+"""Top-1 of two models on the same test images: the week's margin, and the drift from an anchor.
+
+`compare` is the week's comparison with the champion. Which case applies depends on the test set's
+size and the champion's accuracy, never on how much the two models disagree: the set either supports
+`margin` or it does not at the *planning discordance*, the larger of the two models' error rates
+(figures of each model alone; a challenger that disagrees on more images than that has less power
+to be shown within the margin, which is its own doing). A rule that asked for more images when the
+challenger disagrees more would let a noisier challenger through the "too small to judge" door that
+a steadier one, as much worse, cannot reach; here more disagreement only widens the bounds, so at the
+same true difference it never raises the chance of a blessing within the budget
+(`tests/test_gate_drift.py` measures it over a grid).
+
+- **non-inferior**: the one-sided `confidence` lower bound of challenger - champion is above `-margin`.
+- **not-shown**: it is not, on a test set that supports the margin: refused.
+- **too-small**: it is not, and the set cannot support the margin. The week's margin is then the one
+  the set supports at the drift confidence (at most the drift budget), and the lower bound at that
+  confidence must be above it.
+
+`drift` compares the challenger with the anchor, the last model shown within the margin of the
+anchor before it and no worse than it on the test set of its week, on today's (growing) test set:
+its lower bound (at the gate's confidence where the set can show the budget, else at
+`drift_confidence`) must be above `-drift_budget` every week, so a run of small losses, each too
+small to judge, is refused once their sum is beyond the budget. Each of these is a
+non-inferiority bound at a fixed margin, and the chance that such a bound is above its margin falls
+as the disagreement grows for every true difference
+above the margin (below it, it rises at most to the bound's own error rate).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cnnpipe.release.stats import Paired, images_needed, margin_supported, mcnemar_p, newcombe_interval, paired_counts
+
+
+def planning_discordance(t: Paired) -> float:
+    """The discordance a test set must support: the larger of the two error rates. Each model's own
+    accuracy, not how much they disagree: at a given true difference it does not grow with the noise."""
+    return max(1.0 - t.champion_top1, 1.0 - t.challenger_top1)
+
+
+def compare(champion_right: np.ndarray, challenger_right: np.ndarray, rules: Any) -> dict[str, Any]:
+    """The paired statistics of top-1 on some test images and their outcome (`non-inferior`,
+    `not-shown` or `too-small`, with the week's margin). The same function serves the whole set and
+    any slice. `rules` is a `gate.GateRules`."""
+    t = paired_counts(champion_right, challenger_right)
+    lower, upper = newcombe_interval(t, rules.confidence)
+    accuracy = (t.champion_top1 + t.challenger_top1) / 2
+    planning = planning_discordance(t)
+    needed = images_needed(accuracy, planning, rules.margin, rules.confidence, rules.power)
+    week_margin, week_confidence, lower_at_week = rules.margin, rules.confidence, lower
+    if t.n == 0:
+        outcome = "too-small"
+    elif lower > -rules.margin:
+        outcome = "non-inferior"
+    elif t.n >= needed:
+        outcome = "not-shown"
+    else:
+        outcome = "too-small"
+    if outcome == "too-small" and t.n:
+        supported = margin_supported(t.n, accuracy, planning, rules.confidence, rules.power)
+        week_margin, week_confidence = small_set(supported, rules)
+        lower_at_week = newcombe_interval(t, week_confidence)[0]
+    return {"images": t.n, "champion_top1": t.champion_top1, "challenger_top1": t.challenger_top1,
+            "difference": t.difference, "lower_bound": lower, "upper_bound": upper, "confidence": rules.confidence,
+            "method": "Newcombe hybrid score (method 10, continuity-adjusted phi), one-sided bounds",
+            "negative_flips": t.negative_flips, "positive_flips": t.positive_flips, "discordance": t.discordance,
+            "planning_discordance": planning, "mcnemar_exact_p": mcnemar_p(t),
+            "images_needed": needed if t.n else None, "outcome": outcome, "week_margin": week_margin,
+            "week_confidence": week_confidence,
+            "week_lower_bound": lower_at_week,
+            "within_week_margin": bool(t.n and lower_at_week >= -week_margin - 1e-12)}
+
+
+def small_set(supported: float, rules: Any) -> tuple[float, float]:
+    """The margin and confidence a test set that supports `supported` at the gate's confidence is
+    judged at: that margin (at least `margin`), at most `drift_budget`; a set too small even for the
+    budget is judged at the budget with the lower `drift_confidence`."""
+    if supported <= rules.drift_budget:
+        return max(rules.margin, supported), rules.confidence
+    return rules.drift_budget, rules.drift_confidence
+
+
+def drift(anchor_right: np.ndarray, challenger_right: np.ndarray, rules: Any, anchor: str) -> dict[str, Any]:
+    """The challenger against the anchor (`anchor` says which model that is): the lower bound at the
+    drift confidence, whether it is within the budget, and whether the challenger is shown within the
+    margin of the anchor (then, blessed, it becomes the next anchor)."""
+    t = paired_counts(anchor_right, challenger_right)
+    planning = planning_discordance(t)
+    supported = margin_supported(t.n, (t.champion_top1 + t.challenger_top1) / 2, planning, rules.confidence,
+                                 rules.power)
+    confidence = small_set(supported, rules)[1]
+    lower = newcombe_interval(t, confidence)[0]
+    lower_margin = newcombe_interval(t, rules.confidence)[0]
+    return {"anchor": anchor, "images": t.n, "anchor_top1": t.champion_top1, "challenger_top1": t.challenger_top1,
+            "difference": t.difference, "discordance": t.discordance, "lower_bound": lower,
+            "confidence": confidence, "budget": rules.drift_budget,
+            "within": bool(t.n and lower > -rules.drift_budget),
+            "shown_within_margin": bool(lower_margin > -rules.margin),
+            "lower_bound_at_margin_confidence": lower_margin}
+
+
+def paired_reason(p: dict[str, Any], rules: Any, known: int, excluded: int) -> str:
+    """The week's comparison in words."""
+    where = (f"the same {p['images']} test images of the {known} classes the champion knows"
+             + (f" ({excluded} images of new classes left out)" if excluded else ""))
+    head = (f"top-1 {p['challenger_top1']:.2%} against the champion's {p['champion_top1']:.2%} on {where}: "
+            f"{p['difference']:+.2%}, at worst {p['lower_bound']:+.2%} and at best {p['upper_bound']:+.2%} "
+            f"({rules.confidence:.0%} sure each)")
+    tail = (f"; {p['negative_flips']} images it now gets wrong, {p['positive_flips']} it now gets right "
+            f"(McNemar p={p['mcnemar_exact_p']:.3g})")
+    if p["outcome"] == "too-small":
+        within = "within" if p["within_week_margin"] else "NOT within"
+        outcome = (f": too few test images to judge the allowed -{rules.margin:.2%}; "
+                   f"at worst {p['week_lower_bound']:+.2%} "
+                   f"({p['week_confidence']:.0%} sure), {within} the -{p['week_margin']:.2%} this test set supports")
+    else:
+        outcome = {"non-inferior": f", within the allowed -{rules.margin:.2%}",
+                   "not-shown": f": not shown within the allowed -{rules.margin:.2%} on {p['images']} images, "
+                                "enough to show it"}[p["outcome"]]
+    return head + outcome + tail
+
+
+def drift_reason(d: dict[str, Any]) -> str:
+    """The drift from the anchor in words."""
+    within = "within" if d["within"] else "BEYOND"
+    return (f"drift from the anchor ({d['anchor']}) on {d['images']} test images: {d['difference']:+.2%}, at worst "
+            f"{d['lower_bound']:+.2%} ({d['confidence']:.0%} sure), {within} the budget of -{d['budget']:.2%}")
+
+
+def too_small_warning(p: dict[str, Any], rules: Any) -> str:
+    """gate.md's first warning on a week too small to judge the margin."""
+    need = (f"about {p['images_needed']:,} test images of the champion's classes are needed to tell a "
+            f"{rules.margin:.0%} loss from none when as many answers change as the worse model gets wrong "
+            f"({p['planning_discordance']:.1%}; {p['discordance']:.1%} did)"
+            if p["images_needed"] is not None else "no test image of a class the champion knows")
+    action = (f"the loop blesses it only within the -{p['week_margin']:.2%} this test set supports and within the "
+              f"drift budget (release.too_small: bless)" if rules.too_small == "bless"
+              else "the loop refuses it (release.too_small: refuse)")
+    return f"TOO SMALL TO JUDGE: {p['images']:,} test images; {need}; {action}"

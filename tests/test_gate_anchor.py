@@ -1,0 +1,74 @@
+"""Where the gate's drift anchor is recorded and found: the verdict committed with a release names it
+(`anchor_next`), and the champion stage fetches it at its commit, checked against the recorded sha256."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cnnpipe.files import file_sha256
+from cnnpipe.release import champion as champion_mod
+from cnnpipe.release.champion import fetch_anchor, recorded_anchor
+from cnnpipe.release.production import ProductionUnknown
+
+ENV = {"GIT_AUTHOR_NAME": "Product Owner", "GIT_AUTHOR_EMAIL": "po@example.com",
+       "GIT_COMMITTER_NAME": "Product Owner", "GIT_COMMITTER_EMAIL": "po@example.com"}
+
+
+def commit(repo: Path, files: dict[str, str], message: str) -> str:
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    for args in (["add", "-A"], ["commit", "-q", "--allow-empty", "-m", message]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, env={**os.environ, **ENV})
+    return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], check=True, capture_output=True, text=True,
+                          env={**os.environ, **ENV}).stdout.strip()
+
+
+@pytest.fixture()
+def repo(tmp_path):
+    subprocess.run(["git", "init", "-q", "-b", "main", str(tmp_path / "r")], check=True, env={**os.environ, **ENV})
+    return tmp_path / "r"
+
+
+def test_the_verdict_committed_with_a_release_names_its_anchor(repo):
+    before = commit(repo, {"README": "no verdict yet"}, "before anchors")
+    shown = commit(repo, {"metrics/gate.json": json.dumps({"blessed": True, "anchor_next": {"self": True}})}, "w1")
+    assert recorded_anchor(repo, before) is None
+    assert recorded_anchor(repo, shown) == {"self": True}
+    broken = commit(repo, {"metrics/gate.json": "{not json"}, "w2")
+    with pytest.raises(ProductionUnknown, match="metrics/gate.json at commit .* is not a gate verdict"):
+        recorded_anchor(repo, broken)
+
+
+def test_the_champion_stage_fetches_another_anchor_and_checks_its_bytes(repo, tmp_path, monkeypatch):
+    """A champion blessed within the drift budget but not shown within the margin carries the anchor
+    before it: fetched at the anchor's commit into anchor/best.pt; bytes other than those recorded are
+    refused. A champion that is its own anchor leaves no anchor/ folder behind."""
+    model = tmp_path / "anchor-model.pt"
+    model.write_bytes(b"the anchor's weights")
+    record = {"commit": "d" * 40, "version": "v0.1.0", "path": "models/optimized/best.pt",
+              "sha256": file_sha256(model)}
+    carried = commit(repo, {"metrics/gate.json": json.dumps({"anchor_next": record})}, "week 2")
+    fetched = []
+
+    def download(where, path, at, out):
+        fetched.append((path, at))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(model.read_bytes())
+        return file_sha256(out)
+
+    monkeypatch.setattr(champion_mod, "download", download)
+    out = tmp_path / "champion"
+    found = {"commit": carried, "version": "v0.2.0"}
+    about = fetch_anchor(repo, found, "models/optimized/best.pt", "e" * 64, out)
+    assert fetched == [(record["path"], record["commit"])] and (out / "anchor" / "best.pt").exists()
+    assert {k: about[k] for k in record} == record and not about["same_as_champion"]
+    model.write_bytes(b"other weights")
+    with pytest.raises(ProductionUnknown, match="has other bytes"):
+        fetch_anchor(repo, found, "models/optimized/best.pt", "e" * 64, out)
+    itself = commit(repo, {"metrics/gate.json": json.dumps({"anchor_next": {"self": True}})}, "week 3")
+    about = fetch_anchor(repo, {"commit": itself, "version": "v0.3.0"}, "models/optimized/best.pt", "f" * 64, out)
+    assert about["same_as_champion"] and about["commit"] == itself and not (out / "anchor").exists()
