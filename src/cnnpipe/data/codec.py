@@ -32,12 +32,14 @@ import io
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import simplejpeg
-import torch
 from PIL import Image
+
+if TYPE_CHECKING:
+    import torch
 
 ENCODINGS = ("raw", "jpeg", "auto")
 DEFAULT_QUALITY = 90
@@ -152,6 +154,8 @@ def decode_records(buffer: np.ndarray, starts: np.ndarray, stops: np.ndarray, fr
 def record_tensors(buffer: torch.Tensor | np.ndarray, offsets: np.ndarray | torch.Tensor) -> list[torch.Tensor]:
     """The records of a batch as 1-D uint8 CPU tensors that view `buffer` (no copy): the list
     `torchvision.io.decode_jpeg` takes. A pinned buffer gives pinned views."""
+    import torch  # here: prepare's decoding workers encode with this module and need no torch
+
     if isinstance(buffer, np.ndarray):
         buffer = torch.from_numpy(np.require(buffer, np.uint8, ["C", "W"]).reshape(-1))  # a copy only if read-only
     if buffer.dtype != torch.uint8 or buffer.device.type != "cpu":
@@ -172,6 +176,7 @@ def decode_batch_on(buffer: torch.Tensor | np.ndarray, offsets: np.ndarray | tor
     torchvision's image decoders are deprecated since 0.29 in favour of TorchCodec; this function is
     the one place that calls them.
     """
+    import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
     channels = _channels(tuple(frame), "frame")

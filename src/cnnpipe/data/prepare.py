@@ -31,7 +31,7 @@ from cnnpipe.data.split import content_split
 from cnnpipe.data.sticky import Assigned, assign_splits, split_rule, stable_cap
 from cnnpipe.data.store import SPLITS
 from cnnpipe.data.swap import recover, staged, swap_in
-from cnnpipe.data.writer import StoreWriter, first_serial, rows_per_shard
+from cnnpipe.data.writer import StoreWriter, first_serial, rows_per_shard, shard_bytes
 from cnnpipe.files import write_json
 
 __all__ = ["DataError", "prepare", "prepare_fashion_mnist"]
@@ -120,10 +120,10 @@ def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: L
                   labels: np.ndarray, journal: Journal, old: PreviousStore) -> tuple[int, int]:
     """Each split's images into `writer`, in content order, all by reference to a shard but those of
     a store before shards or in another encoding (copied, and encoded): decoded ones to their journal
-    segment, the previous store's to theirs. A JPEG store encodes the journal's decoded pixels into
-    its own shards. In place, `splits` takes that order. Returns (kept, copied)."""
+    segment (a JPEG store's journal holds records), the previous store's to theirs. In place,
+    `splits` takes that order. Returns (kept, copied)."""
     kept = copied = 0
-    segments: dict[Path, str] = {}  # journal segment -> its shard name in the new store
+    segments: dict[Path, tuple[str, Path | None]] = {}  # journal segment -> its shard name (and offsets)
     for split in SPLITS:
         members = splits[split] = splits[split][np.argsort(got.digests[splits[split]], kind="stable")]
         for i in members:
@@ -131,13 +131,13 @@ def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: L
             meta = {"source": entry.path, "sha256": digest.hex(), "size": entry.size, "mtime_ns": entry.mtime_ns}
             if entry.supplier is not None:
                 meta["supplier"] = entry.supplier
-            if row >= 0 and writer.encoding == "jpeg":  # decoded by this run: encoded into a new shard
-                writer.add(split, journal.pixels(row), int(labels[i]), digest, meta)
-            elif row >= 0:  # decoded by this run: its journal segment becomes a shard as it is
+            if row >= 0:  # decoded by this run: its journal segment becomes a shard as it is
                 segment, segment_row = journal.frame_of(row)
                 if segment not in segments:
-                    segments[segment] = writer.fresh_name()
-                writer.keep(split, segments[segment], segment, segment_row, int(labels[i]), digest, meta, fresh=True)
+                    segments[segment] = (writer.fresh_name(), journal.sidecar(row >> 32) if journal.encoded else None)
+                name, sidecar = segments[segment]
+                writer.keep(split, name, segment, segment_row, int(labels[i]), digest, meta,
+                            fresh=journal.size_of(row), sidecar=sidecar)
             elif old.lends_shards:  # a shard of the previous store holds it: point at it, read nothing
                 shard, shard_row = old.find(digest)
                 writer.keep(split, old.names[shard], old.files[shard], shard_row, int(labels[i]), digest, meta,
@@ -173,7 +173,8 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
     root = listing.root
     all_classes = sorted(listing.entries.labels)
     wanted, encoding = recipe(cfg.stored_size, cfg.max_pixels), store_encoding(cfg, 3)
-    journal = Journal(work, wanted, rows_per_shard(cfg.shard_mb, cfg.stored_size**2 * 3))  # raw pixels, either way
+    journal = Journal(work, wanted, rows_per_shard(cfg.shard_mb, cfg.stored_size**2 * 3), encoding,
+                      shard_bytes(cfg.shard_mb))  # raw pixels, or a JPEG store's records
     old = PreviousStore(previous, wanted, encoding)
     workers = usable_cores() if cfg.prepare_workers == "auto" else int(cfg.prepare_workers)
     try:

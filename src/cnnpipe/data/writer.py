@@ -43,6 +43,11 @@ def rows_per_shard(shard_mb: float, frame_bytes: int) -> int:
     return max(1, int(shard_mb * 2**20) // frame_bytes)
 
 
+def shard_bytes(shard_mb: float) -> int:
+    """Bytes of records in a full JPEG shard of `shard_mb` MiB (at least one)."""
+    return max(1, int(shard_mb * 2**20))
+
+
 def first_serial(names: list[str], recorded: int = 0) -> int:
     """The serial of a store's next new shard: past every shard name it holds and any it recorded."""
     return max([recorded, *(int(name.split("-", 1)[0]) + 1 for name in names)])
@@ -103,7 +108,7 @@ class StoreWriter:
         self.encoding, self.quality = encoding, codec.check_quality(quality)
         self.frame_bytes = size * size * channels
         self.rows_per_shard = rows_per_shard(shard_mb, self.frame_bytes)
-        self.shard_bytes = max(1, int(shard_mb * 2**20))
+        self.shard_bytes = shard_bytes(shard_mb)
         (self.out_dir / SHARDS).mkdir(parents=True, exist_ok=True)
         # Serials only grow (index.json keeps the next one): a shard name, once used, never names other
         # bytes, so a reader that opened an old store by name never reads another store's pixels.
@@ -165,21 +170,21 @@ class StoreWriter:
         self.splits[split].append(shard, row, label, digest, meta)
 
     def keep(self, split: str, name: str, shard: Path, row: int, label: int, digest: bytes,
-             meta: dict[str, Any], fresh: bool = False, sidecar: Path | None = None) -> None:
+             meta: dict[str, Any], fresh: int = 0, sidecar: Path | None = None) -> None:
         """Point at row `row` of a sealed shard `name` whose file is `shard` (and, of a JPEG store,
-        whose offsets are `sidecar`): one of the previous store (in it or in the DVC cache), or a raw
-        store's segment of this run's journal (`fresh`: its pixels were written by this run, which
-        `last_update` counts); no pixels are read or written here."""
+        whose offsets are `sidecar`): one of the previous store (in it or in the DVC cache), or a
+        segment of this run's journal (`fresh`: the bytes of its frame or record, written by this run,
+        which `last_update` counts); no pixels are read or written here."""
         number = self._number(name, shard)
         if sidecar is not None:
             self._sidecars[number] = sidecar
         self.splits[split].append(number, row, label, digest, meta)
-        self.written_bytes += self.frame_bytes if fresh else 0
+        self.written_bytes += fresh
 
     def fresh_name(self) -> str:
         """A new shard's name, for a journal segment this store takes as a shard (any split's images)."""
         self._next_serial += 1
-        return f"{self._next_serial - 1:06d}-mixed.u8"
+        return f"{self._next_serial - 1:06d}-mixed.{'jpg' if self.encoding == 'jpeg' else 'u8'}"
 
     def _rows_in(self, number: int) -> int:
         """Rows (frames or records) shard `number` holds."""
