@@ -150,3 +150,10 @@ def save_image(path: Path, array: np.ndarray, mode: str | None = None, **kwargs)
 def colour_image(seed: int, size: tuple[int, int] = (40, 30)) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return rng.integers(0, 255, size=(size[1], size[0], 3), dtype=np.uint8)
+
+
+def meta_lines(store: Path, split: str) -> list[dict]:
+    """The meta dict (source, sha256, ...) of each image of a prepared split, in the split's order."""
+    from cnnpipe.data.meta import in_folder, split_meta
+
+    return list(split_meta(in_folder(store), split))

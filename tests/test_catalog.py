@@ -17,7 +17,7 @@ import yaml
 from cnnpipe.config import DataConfig
 from cnnpipe.data.prepare import DataError, prepare
 from cnnpipe.data.store import open_split
-from conftest import ROOT, colour_image, save_image
+from conftest import ROOT, colour_image, meta_lines, save_image
 
 
 def make_catalog(root: Path, start: int, stop: int, side: int = 24) -> None:
@@ -29,7 +29,7 @@ def store_pixels(store: Path) -> dict[str, tuple[bytes, bytes, list[str]]]:
     """Per split: pixels, labels and sources, to compare stores made different ways."""
     out = {}
     for split in ("train", "val", "test"):
-        sources = [json.loads(line)["source"] for line in (store / f"{split}_meta.jsonl").read_text().splitlines()]
+        sources = [meta["source"] for meta in meta_lines(store, split)]
         data = open_split(store, split)
         out[split] = (np.asarray(data.images).tobytes(), data.labels.tobytes(), sources)
     return out
@@ -80,8 +80,7 @@ def test_every_stored_hash_is_the_files_whole_sha256(tmp_path):
                     0, tmp_path / "p", tmp_path / "r.json")
     assert again["work"]["decoded"] == 0 and again["work"]["kept"] == seed
     for split in ("train", "val", "test"):
-        for line in (tmp_path / "p" / f"{split}_meta.jsonl").read_text().splitlines():
-            item = json.loads(line)
+        for item in meta_lines(tmp_path / "p", split):
             assert item["sha256"] == hashlib.sha256((tmp_path / "copy" / item["source"]).read_bytes()).hexdigest()
 
 
@@ -237,8 +236,7 @@ def test_a_manifest_is_a_source_with_its_own_splits(tmp_path):
     report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     assert report["classes"] == ["blue", "red"] and report["splits"]["test"] == 8
     assert report["splits"]["train"] + report["splits"]["val"] == 32 and report["splits"]["val"] > 0
-    meta = (tmp_path / "p" / "test_meta.jsonl").read_text().splitlines()
-    test_sources = [json.loads(line)["source"] for line in meta]
+    test_sources = [item["source"] for item in meta_lines(tmp_path / "p", "test")]
     assert sorted(test_sources) == [f"img/{i:03d}.jpg" for i in range(8)]
 
 

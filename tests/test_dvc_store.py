@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cnnpipe.data.store import data_fingerprint
-from conftest import colour_image, copy_project, save_image, tiny_params, write_params
+from conftest import colour_image, copy_project, meta_lines, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -121,8 +121,8 @@ def test_a_catalog_seen_before_never_brings_back_an_older_ledger(tmp_path):
     photos(week2, 200, 300)
     shutil.copytree(week2, catalog, dirs_exist_ok=True)
     sh(["dvc", "repro", "prepare"], project)  # week 2: 100 new photos, some held out
-    held = {s: json.loads(line)["source"] for s in ("val", "test")
-            for line in (project / "data" / "prepared" / f"{s}_meta.jsonl").read_text().splitlines()}
+    held = {s: meta["source"] for s in ("val", "test")
+            for meta in meta_lines(project / "data" / "prepared", s)}
     new_held = {path for path in held.values() if int(Path(path).stem) >= 200}
     assert new_held
     for path in week2.rglob("*.jpg"):  # week 3: the catalog is exactly week 1's again
@@ -131,7 +131,7 @@ def test_a_catalog_seen_before_never_brings_back_an_older_ledger(tmp_path):
     assert "Running stage 'prepare'" in out  # run, not restored from the run cache
     shutil.copytree(week2, catalog, dirs_exist_ok=True)  # week 4: they are back
     sh(["dvc", "repro", "prepare"], project)
-    train = {json.loads(line)["source"] for line in (project / "data" / "prepared" / "train_meta.jsonl").read_text().splitlines()}
+    train = {meta["source"] for meta in meta_lines(project / "data" / "prepared", "train")}
     assert not new_held & train
 
 

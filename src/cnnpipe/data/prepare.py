@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from functools import partial
 from pathlib import Path
@@ -25,6 +26,7 @@ from cnnpipe.data.ingest import Ingested, ingest, recipe, usable_cores
 from cnnpipe.data.journal import Journal
 from cnnpipe.data.keys import HexDigests, digest_at
 from cnnpipe.data.ledger import RECORD, Ledger, records_from_store, write_ledger
+from cnnpipe.data.meta import STAT_FILE, stat_cache
 from cnnpipe.data.previous import ENCODING_KEYS, FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
 from cnnpipe.data.report import leakage, listed, mark_new, split_changes, split_codes
 from cnnpipe.data.split import content_split
@@ -199,6 +201,8 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
             members = np.flatnonzero(assigned.names == split)
             splits[split] = members[stable_cap(labels[members], got.digests[members], cap, seed)]
         writer = _writer(cfg, out_dir, 3, first_serial(old.names if old.sealed else [], old.next_serial))
+        if previous is not None:
+            writer.lend_meta(previous.path)  # its meta lines kept where unchanged (`meta`)
         try:
             kept, copied = _write_splits(writer, splits, listing, got, labels, journal, old)
         except BaseException:
@@ -217,6 +221,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
         raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
                         f"(without any: {', '.join(no_train)}); see metrics/data_report.json")
     (out_dir / RECIPE_FILE).write_text(json.dumps({**wanted, **encoding}))
+    np.save(work / STAT_FILE, writer.stat_table())
     if got.failed:
         (out_dir / FAILED_FILE).write_text("".join(json.dumps({"key": k, "reason": r}) + "\n" for k, r in got.failed))
     report = {
@@ -323,6 +328,8 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
     if recovered:
         report["recovered"] = recovered
     swap_in([(new_store, out_dir), (new_ledger, ledger_dir)])
+    if (work / STAT_FILE).exists():  # this machine's stat cache of the store now in place (`meta`)
+        os.replace(work / STAT_FILE, stat_cache(out_dir))
     shutil.rmtree(work, ignore_errors=True)
     write_json(report_path, report)
     return report
