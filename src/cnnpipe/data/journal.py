@@ -25,7 +25,7 @@ from cnnpipe.data.previous import RECIPE_FILE, read_frame
 from cnnpipe.data.store import OFFSET_DTYPE, OFFSETS
 
 CHUNK = 16              # lines written per fsync at most once SYNC_EVERY_S has passed
-SYNC_EVERY_S = 0.2      # the journal's fsyncs, at most this often
+SYNC_EVERY_S = 1.0      # the journal's fsyncs, at most this often: each rewrites the last page of both files
 
 
 def where(segment: int, row: int) -> int:
@@ -47,7 +47,8 @@ class Journal:
     may be a shard of the store in place already.
 
     Lines wait until their pixels are fsynced (`sync`: after `CHUNK` files once `SYNC_EVERY_S` has
-    passed, so at most a few fsyncs a second even on NFS, where one can take 20 ms), so a line on
+    passed, so at most one fsync a second even on NFS, where one can take 20 ms, and on a machine that
+    reads every file of a pulled catalog once, a few pages a second written again), so a line on
     disk has its pixels on disk even after a power cut, which may keep a file's length but not its
     last blocks. A kill loses at most that much decoding. A reopened journal drops any line whose
     pixels are not there (and everything after it); frames past the last line are cut off by
