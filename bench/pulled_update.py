@@ -56,11 +56,11 @@ def product_photo(index: int, side: int = 96) -> Image.Image:
     return Image.fromarray(np.clip(np.asarray(img, np.int16) + grain, 0, 255).astype(np.uint8))
 
 
-def photos(root: Path, start: int, stop: int, classes: int = 10) -> None:
+def photos(root: Path, start: int, stop: int, side: int = 96, classes: int = 10) -> None:
     for i in range(start, stop):
         path = root / f"category_{i % classes:02d}" / f"sku_{i:07d}.jpg"
         path.parent.mkdir(parents=True, exist_ok=True)
-        product_photo(i).save(path, quality=88)
+        product_photo(i, side).save(path, quality=88)
 
 
 def run(cmd: list[str], cwd: Path) -> int:
@@ -116,7 +116,8 @@ def week(n: int, dirs: Path, args: argparse.Namespace) -> dict:
     params["data"].update(source="data/raw/catalog", stored_size=args.stored_size, encoding=args.encoding,
                           prepare_workers=args.workers)
     (producer / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    photos(producer / "data" / "raw" / "catalog", 0, n)
+    side = max(96, args.stored_size * 5 // 4)  # photos a little larger than the store keeps
+    photos(producer / "data" / "raw" / "catalog", 0, n, side)
     for cmd in (["git", "init", "-q"], ["dvc", "remote", "add", "-q", "-d", "shared", str(remote)],
                 ["dvc", "add", "-q", "data/raw/catalog"], ["dvc", "repro", "-q", "prepare"], ["dvc", "push", "-q", "prepare", "data/raw/catalog.dvc"],
                 ["git", "add", "-A"], ["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "week 1"]):
@@ -124,7 +125,7 @@ def week(n: int, dirs: Path, args: argparse.Namespace) -> dict:
     run(["git", "clone", "-q", str(producer), str(pulled)], dirs)
     run(["dvc", "pull", "-q", "prepare", "data/raw/catalog.dvc"], pulled)
     first = store_bytes(pulled)
-    photos(pulled / "data" / "raw" / "catalog", n, n + n // 10)
+    photos(pulled / "data" / "raw" / "catalog", n, n + n // 10, side)
     add = run(["dvc", "add", "-q", "data/raw/catalog"], pulled)
     repro = run(["dvc", "repro", "-q", "prepare"], pulled)
     report = json.loads((pulled / "metrics" / "data_report.json").read_text())
