@@ -1,7 +1,8 @@
 """The store held once, through the commands users run: real `dvc repro prepare`, `dvc push` and
 `dvc pull` in copies of the project with its own .dvc/config. A +10% update writes about the new
 images' bytes, and the workspace and the DVC cache together hold the store about once, on the
-machine that produced it and on one whose store came from `dvc pull`."""
+machine that produced it and on one whose store came from `dvc pull`, raw and in the JPEG store
+`data.encoding: auto` picks for photos."""
 
 import json
 import os
