@@ -7,7 +7,9 @@ previous shard that is mostly dead (under half its rows still wanted) is compact
 move into new shards and it is dropped. So an update writes the new images, at most one partly
 filled shard per split, and the rare compaction, and reads no old pixels otherwise.
 
-A JPEG store (`encoding="jpeg"`) writes each new image as one JPEG record (`codec.encode`) and
+Each image's meta line goes through `meta.MetaWriter`: kept in the previous store's sealed meta
+segments where it is unchanged, else appended to this store's new one; the per-split files point at
+them. A JPEG store (`encoding="jpeg"`) writes each new image as one JPEG record (`codec.encode`) and
 seals a shard at `data.shard_mb` of records, with its offsets sidecar; kept shards are linked with
 their sidecars, and compaction moves records as bytes (nothing is decoded or encoded again).
 """
@@ -158,7 +160,7 @@ class StoreWriter:
         return self._append_record(split, record)
 
     def add(self, split: str, image: np.ndarray, label: int, digest: bytes, meta: dict[str, Any]) -> None:
-        """Append a new (size, size, channels) uint8 image; `meta` becomes its line in `<split>_meta.jsonl`."""
+        """Append a new (size, size, channels) uint8 image; `meta` is its meta line (`meta.split_meta`)."""
         if image.shape != self.frame or image.dtype != np.uint8:
             raise ValueError(f"{meta.get('source')}: got {image.shape} {image.dtype}, expected {self.frame} uint8")
         shard, row = self._append_pixels(split, image)
