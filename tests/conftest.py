@@ -207,3 +207,10 @@ def build_reproduced(root: Path) -> str:
 
 
 BACKGROUND["reproduced"] = build_reproduced
+
+
+def meta_lines(store: Path, split: str) -> list[dict]:
+    """The meta dict (source, sha256, ...) of each image of a prepared split, in the split's order."""
+    from cnnpipe.data.meta import in_folder, split_meta
+
+    return list(split_meta(in_folder(store), split))

@@ -17,7 +17,7 @@ import yaml
 from cnnpipe.config import DataConfig
 from cnnpipe.data.prepare import DataError, prepare
 from cnnpipe.data.store import open_split
-from conftest import ROOT, colour_image, save_image
+from conftest import ROOT, colour_image, meta_lines, save_image
 
 
 def make_catalog(root: Path, start: int, stop: int, side: int = 24) -> None:
@@ -29,7 +29,7 @@ def store_pixels(store: Path) -> dict[str, tuple[bytes, bytes, list[str]]]:
     """Per split: pixels, labels and sources, to compare stores made different ways."""
     out = {}
     for split in ("train", "val", "test"):
-        sources = [json.loads(line)["source"] for line in (store / f"{split}_meta.jsonl").read_text().splitlines()]
+        sources = [meta["source"] for meta in meta_lines(store, split)]
         data = open_split(store, split)
         out[split] = (np.asarray(data.images).tobytes(), data.labels.tobytes(), sources)
     return out
@@ -80,8 +80,7 @@ def test_every_stored_hash_is_the_files_whole_sha256(tmp_path):
                     0, tmp_path / "p", tmp_path / "r.json")
     assert again["work"]["decoded"] == 0 and again["work"]["kept"] == seed
     for split in ("train", "val", "test"):
-        for line in (tmp_path / "p" / f"{split}_meta.jsonl").read_text().splitlines():
-            item = json.loads(line)
+        for item in meta_lines(tmp_path / "p", split):
             assert item["sha256"] == hashlib.sha256((tmp_path / "copy" / item["source"]).read_bytes()).hexdigest()
 
 
@@ -181,6 +180,37 @@ def _journal_of_three(work: Path, wanted: dict, image: np.ndarray):
     return journal
 
 
+def test_a_jpeg_stores_journal_holds_records_that_become_a_shard_and_survives_a_torn_write(tmp_path):
+    """A JPEG store's journal keeps each image's JPEG record (never its pixels), segments of
+    `segment_bytes`; a reopened journal keeps its whole records, and a segment's offsets make it a
+    shard as it is."""
+    from cnnpipe.data import codec
+    from cnnpipe.data.journal import Journal, where
+    from cnnpipe.data.store import read_offsets
+
+    wanted, encoding = {"size": 16, "channels": 3}, {"encoding": "jpeg", "quality": 90, "codec": codec.CODEC}
+    images = [np.asarray(colour_image(k, (16, 16))) for k in range(4)]
+    records = [codec.encode(image, 90) for image in images]
+    journal = Journal(tmp_path / "w", wanted, 8, encoding, segment_bytes=len(records[0]) + len(records[1]))
+    assert journal.record(0, bytes([0]) * 32, images[0], None) == where(0, 0)  # pixels given: encoded here
+    assert journal.record(1, bytes([1]) * 32, records[1], None) == where(0, 1)  # a worker's record
+    assert journal.record(2, bytes([2]) * 32, records[2], None) == where(1, 0)  # the segment is full
+    journal.close()
+    segment = tmp_path / "w" / "segments" / "000000.jpg"
+    assert segment.read_bytes() == records[0] + records[1]
+    with open(tmp_path / "w" / "segments" / "000001.jpg", "ab") as fh:  # a record cut short by a kill
+        fh.write(records[3][:10])
+    journal = Journal(tmp_path / "w", wanted, 8, encoding, segment_bytes=10**6)
+    assert len(journal) == 3 and journal.lookup(2) == (bytes([2]) * 32, where(1, 0), None)
+    assert (tmp_path / "w" / "segments" / "000001.jpg").read_bytes() == records[2]  # only whole records kept
+    offsets = read_offsets(journal.sidecar(0))
+    assert offsets.tolist() == [0, len(records[0]), len(records[0]) + len(records[1])]
+    assert np.array_equal(journal.pixels(where(0, 1)), codec.decode(records[1], 3))
+    assert journal.record(3, bytes([3]) * 32, records[3], None) == where(2, 0)  # never a reopened segment
+    journal.close()
+    assert Journal(tmp_path / "w", wanted, 8).lookup(0) is None  # a raw journal starts afresh
+
+
 def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
     from cnnpipe.data.journal import Journal, where
 
@@ -271,8 +301,7 @@ def test_a_manifest_is_a_source_with_its_own_splits(tmp_path):
     report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     assert report["classes"] == ["blue", "red"] and report["splits"]["test"] == 8
     assert report["splits"]["train"] + report["splits"]["val"] == 32 and report["splits"]["val"] > 0
-    meta = (tmp_path / "p" / "test_meta.jsonl").read_text().splitlines()
-    test_sources = [json.loads(line)["source"] for line in meta]
+    test_sources = [item["source"] for item in meta_lines(tmp_path / "p", "test")]
     assert sorted(test_sources) == [f"img/{i:03d}.jpg" for i in range(8)]
 
 

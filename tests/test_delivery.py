@@ -21,7 +21,7 @@ from cnnpipe.release.delivery import OTHER_CLASSES, check_delivery, flag_pairs, 
 from cnnpipe.release_config import DeliveryConfig, ReleaseConfig
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.recipe import input_recipe
-from conftest import ROOT, base_params, save_image, tiny_params, write_params
+from conftest import ROOT, base_params, meta_lines, save_image, tiny_params, write_params
 
 COLOURS = {"blue": (40, 40, 210), "green": (40, 190, 40), "red": (210, 40, 40), "yellow": (210, 200, 40)}
 CLASSES = sorted(COLOURS)
@@ -349,7 +349,7 @@ def test_hold_out_leaves_the_flagged_test_photos_out_of_evaluate(tmp_path, swapp
     result = evaluate(champion, swapped, tmp_path / "eval", torch.device("cpu"), held_out=listed)
     with open(tmp_path / "eval" / "predictions.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
-    sources = [json.loads(line)["source"] for line in (swapped / "test_meta.jsonl").read_text().splitlines()]
+    sources = [meta["source"] for meta in meta_lines(swapped, "test")]
     assert held and result["images"] == len(sources) - len(held) == len(rows)
     assert [r["source"] for r in rows] == [s for s in sources if s not in held]
     assert all(r["actual"] == s.split("/")[0] for r, s in zip(rows, [s for s in sources if s not in held]))

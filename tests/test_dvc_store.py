@@ -1,7 +1,8 @@
 """The store held once, through the commands users run: real `dvc repro prepare`, `dvc push` and
 `dvc pull` in copies of the project with its own .dvc/config. A +10% update writes about the new
 images' bytes, and the workspace and the DVC cache together hold the store about once, on the
-machine that produced it and on one whose store came from `dvc pull`."""
+machine that produced it and on one whose store came from `dvc pull`, raw and in the JPEG store
+`data.encoding: auto` picks for photos."""
 
 import json
 import os
@@ -10,10 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import yaml
 
 from cnnpipe.data.store import data_fingerprint
-from conftest import colour_image, copy_project, save_image, tiny_params, write_params
+from conftest import ROOT, base_params, colour_image, copy_project, meta_lines, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +39,15 @@ def repro_writes(project: Path) -> int:
     return int(out.rsplit("WRITTEN ", 1)[1].split()[0])
 
 
-def held(project: Path) -> int:
-    """Bytes the project holds for the store: workspace outputs and DVC cache, each inode once."""
-    seen, total = set(), 0
+def held(project: Path, skip: set[int] = frozenset(), skip_names: set[str] = frozenset()) -> int:
+    """Bytes the project holds for the store: workspace outputs and DVC cache, each inode once (but
+    the inodes in `skip`, and cache objects named `skip_names`: "ab/cdef...")."""
+    seen, total = set(skip), 0
     for top in ("data/prepared", "data/split_ledger", ".dvc/cache"):
         for parent, _, files in os.walk(project / top):
             for name in files:
                 st = os.lstat(os.path.join(parent, name))
-                if st.st_ino not in seen:
+                if st.st_ino not in seen and f"{Path(parent).name}/{name}" not in skip_names:
                     seen.add(st.st_ino)
                     total += st.st_size
     return total
@@ -106,6 +110,71 @@ def test_an_update_through_dvc_repro_writes_the_new_bytes_and_the_store_is_held_
         sh(["dvc", "status", "prepare"], pulled)
 
 
+def product_photo(i: int, side: int = 240) -> np.ndarray:
+    """A product shot as JPEG stores see them: a white backdrop, one smooth object, sensor grain."""
+    rng = np.random.default_rng(i)
+    y, x = np.mgrid[0:side, 0:side] / side
+    cy, cx, r = rng.uniform(0.35, 0.65), rng.uniform(0.35, 0.65), rng.uniform(0.2, 0.35)
+    inside = ((y - cy) ** 2 + (x - cx) ** 2 < r * r)[..., None]
+    shade = (1.2 - 0.5 * y)[..., None] * rng.integers(30, 220, 3)
+    image = np.where(inside, shade, 248.0) + rng.normal(0, 3, (side, side, 1))
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+def product_photos(root: Path, start: int, stop: int) -> None:
+    for i in range(start, stop):
+        save_image(root / f"class{i % 4}" / f"{i:05d}.jpg", product_photo(i), quality=88)
+
+
+def test_a_pulled_machines_weekly_update_of_the_default_jpeg_store_writes_its_new_records_and_holds_it_once(tmp_path):
+    """Where a second node or CI stands: `git clone`, `dvc pull`, the week's photos `dvc add`ed, `dvc
+    repro prepare`, with the store `data.encoding: auto` picks (JPEG at 224 px). The journal holds
+    JPEG records, not raw pixels, and the metadata lines are sealed segments the update links and
+    extends: it writes about the new records (DVC's own bookkeeping included) and the project
+    holds the store about once."""
+    producer = copy_project(tmp_path / "producer")
+    shutil.copy(ROOT / ".dvc" / ".gitignore", producer / ".dvc" / ".gitignore")  # no DVC cache in git
+    product_photos(producer / "data" / "raw" / "catalog", 0, 2000)
+    params = tiny_params()
+    params["data"].update(source="data/raw/catalog", stored_size=224, image_size=32)
+    assert params["data"]["encoding"] == base_params()["data"]["encoding"] == "auto"  # the default store
+    write_params(producer / "params.yaml", params)
+    sh(["git", "init", "-q"], producer)
+    sh(["dvc", "remote", "add", "-q", "-d", "shared", str(tmp_path / "remote")], producer)
+    sh(["dvc", "add", "-q", "data/raw/catalog"], producer)
+    sh(["dvc", "repro", "-q", "prepare"], producer)
+    assert json.loads((producer / "data" / "prepared" / "index.json").read_text())["encoding"] == "jpeg"
+    sh(["dvc", "push", "-q", "prepare", "data/raw/catalog.dvc"], producer)
+    sh(["git", "add", "-A"], producer)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "week 1"], producer)
+
+    pulled = tmp_path / "pulled"
+    sh(["git", "clone", "-q", str(producer), str(pulled)], tmp_path)
+    sh(["dvc", "pull", "-q", "prepare", "data/raw/catalog.dvc"], pulled)
+    product_photos(pulled / "data" / "raw" / "catalog", 2000, 2200)  # the week's +10%
+    sh(["dvc", "add", "-q", "data/raw/catalog"], pulled)
+    written = repro_writes(pulled)
+    report = json.loads((pulled / "metrics" / "data_report.json").read_text())
+    assert report["work"]["decoded"] == 200 and report["work"]["kept"] == 2000
+    store = store_bytes(pulled)
+    if written < 0.05 * store:
+        pytest.skip(f"this filesystem does not account writes per process ({written} B written): nothing to measure")
+    # What the project holds for the store: the catalog's photos and DVC's listings of them left out.
+    photos = {os.lstat(p).st_ino for p in (pulled / "data" / "raw").rglob("*") if p.is_file()}
+    listings = {yaml.safe_load(text)["outs"][0]["md5"] for text in (
+        (pulled / "data" / "raw" / "catalog.dvc").read_text(),
+        sh(["git", "show", "HEAD:data/raw/catalog.dvc"], pulled))}
+    holds = held(pulled, skip=photos, skip_names={f"{m[:2]}/{m[2:]}" for m in listings})
+    stat_cache = pulled / "data" / "prepared.stat.npy"  # this machine's stat cache
+    holds += stat_cache.stat().st_size if stat_cache.exists() else 0
+    print(f"pulled: store {store} B; the update wrote {written} B ({written / store:.2f}x), the project holds "
+          f"{holds} B ({holds / store:.2f}x)")
+    assert written <= 0.35 * store, (written, store)
+    assert holds <= 1.3 * store, (holds, store)
+    index = json.loads((pulled / "data" / "prepared" / "index.json").read_text())
+    assert len(index["meta"]) == 2 and index["meta"][1]["lines"] == 200  # the week's lines only
+
+
 def test_a_catalog_seen_before_never_brings_back_an_older_ledger(tmp_path):
     """DVC's run cache would restore week 1's store and ledger when the catalog is week 1's again,
     forgetting the photos week 2 held out; prepare stays out of it (a persistent report)."""
@@ -121,8 +190,8 @@ def test_a_catalog_seen_before_never_brings_back_an_older_ledger(tmp_path):
     photos(week2, 200, 300)
     shutil.copytree(week2, catalog, dirs_exist_ok=True)
     sh(["dvc", "repro", "prepare"], project)  # week 2: 100 new photos, some held out
-    held = {s: json.loads(line)["source"] for s in ("val", "test")
-            for line in (project / "data" / "prepared" / f"{s}_meta.jsonl").read_text().splitlines()}
+    held = {s: meta["source"] for s in ("val", "test")
+            for meta in meta_lines(project / "data" / "prepared", s)}
     new_held = {path for path in held.values() if int(Path(path).stem) >= 200}
     assert new_held
     for path in week2.rglob("*.jpg"):  # week 3: the catalog is exactly week 1's again
@@ -131,7 +200,7 @@ def test_a_catalog_seen_before_never_brings_back_an_older_ledger(tmp_path):
     assert "Running stage 'prepare'" in out  # run, not restored from the run cache
     shutil.copytree(week2, catalog, dirs_exist_ok=True)  # week 4: they are back
     sh(["dvc", "repro", "prepare"], project)
-    train = {json.loads(line)["source"] for line in (project / "data" / "prepared" / "train_meta.jsonl").read_text().splitlines()}
+    train = {meta["source"] for meta in meta_lines(project / "data" / "prepared", "train")}
     assert not new_held & train
 
 

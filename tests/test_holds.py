@@ -23,7 +23,7 @@ from cnnpipe.release.delivery import check_delivery, write_delivery
 from cnnpipe.release.production import ProductionUnknown
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.train import checkpoint as ckpt
-from conftest import base_params, tiny_params, write_params
+from conftest import base_params, meta_lines, tiny_params, write_params
 from test_delivery import CLASSES, COLOURS, colour_photo, probe_checkpoint, read_list, run_stage
 
 SWAPPED = [("red", "green", 40), ("green", "red", 40)]
@@ -99,7 +99,7 @@ def test_a_held_photo_stays_out_the_following_weeks_until_relabelled_or_cleared(
     assert {f["sha256"] for f in files if f["status"] == "held"} == held and all(f["held_out"] for f in files)
     for split in ("train", "val", "test"):
         whole, (kept, _) = open_split(prepared, split), open_kept(prepared, split, None)  # the store alone holds them
-        sources = [json.loads(line)["sha256"] for line in (prepared / f"{split}_meta.jsonl").read_text().splitlines()]
+        sources = [meta["sha256"] for meta in meta_lines(prepared, split)]
         assert len(whole) - len(kept) == sum(s in held for s in sources)
     segments = sorted((tmp_path / "prepared_ledger" / "segments").glob("*.npy"))
     recorded = np.load(segments[-1])

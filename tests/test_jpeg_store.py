@@ -20,7 +20,7 @@ from cnnpipe.data.held_out import subset
 from cnnpipe.data.prepare import prepare, prepare_fashion_mnist, store_encoding
 from cnnpipe.data.store import SHARDS, data_fingerprint, open_split, read_index
 from cnnpipe.train.recipe import STORE_KEYS, input_recipe, photo_input, recipe_differences, store_recipe
-from conftest import colour_image, save_image
+from conftest import colour_image, meta_lines, save_image
 from test_shards import make_catalog, split_view, train_a_few_steps
 
 DVC = [sys.executable, "-m", "dvc"]
@@ -66,8 +66,7 @@ def test_a_jpeg_store_holds_the_raw_stores_images_in_the_same_order_and_splits(t
     for split in ("train", "val", "test"):
         raw, jpeg = open_split(tmp_path / "raw", split), open_split(tmp_path / "jpeg", split)
         assert len(raw) > 0 and np.array_equal(raw.labels, jpeg.labels)
-        meta = f"{split}_meta.jsonl"
-        assert (tmp_path / "raw" / meta).read_text() == (tmp_path / "jpeg" / meta).read_text()
+        assert meta_lines(tmp_path / "raw", split) == meta_lines(tmp_path / "jpeg", split)
         exact, decoded = np.asarray(raw.images), np.asarray(jpeg.images)
         assert decoded.shape == exact.shape and decoded.dtype == np.uint8
         # Exactly the codec's round trip of the raw store's pixels: the same pixels went in, once.
@@ -223,7 +222,7 @@ def test_predict_reads_a_photo_as_the_jpeg_store_holds_it_and_the_gate_sees_the_
     prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     recipe = input_recipe(cfg, 3, (0.5,) * 3, (0.25,) * 3)
     train = open_split(tmp_path / "p", "train")
-    source = json.loads((tmp_path / "p" / "train_meta.jsonl").read_text().splitlines()[0])["source"]
+    source = meta_lines(tmp_path / "p", "train")[0]["source"]
     photo = photo_input(recipe, tmp_path / "catalog" / source, cfg.max_pixels)
     assert np.array_equal(photo, train.images[0])  # predict's pixels are training's, bit for bit
     raw_recipe = input_recipe(DataConfig(**{**cfg.__dict__, "encoding": "raw"}), 3, (0.5,) * 3, (0.25,) * 3)

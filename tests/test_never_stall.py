@@ -14,7 +14,7 @@ from PIL import Image, ImageCms
 from cnnpipe.config import DataConfig
 from cnnpipe.data.decode import decode_file, decoder_versions
 from cnnpipe.data.prepare import prepare
-from conftest import colour_image, save_image
+from conftest import colour_image, meta_lines, save_image
 
 # Loaded by every decoding worker at start-up (PYTHONPATH): a Pillow plugin for files that begin with
 # a magic word, standing in for a codec that crashes or loops on one file. Nothing in cnnpipe knows it.
@@ -55,8 +55,8 @@ def _catalog(root: Path, n: int = 20) -> None:
 
 
 def _stored(store: Path) -> set[str]:
-    return {json.loads(line)["source"] for split in ("train", "val", "test")
-            for line in (store / f"{split}_meta.jsonl").read_text().splitlines()}
+    return {meta["source"] for split in ("train", "val", "test")
+            for meta in meta_lines(store, split)}
 
 
 def test_a_file_that_kills_its_decoder_is_retried_alone_then_listed_and_prepare_finishes(tmp_path, poisoned_workers):

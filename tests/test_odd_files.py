@@ -12,7 +12,7 @@ from PIL import Image, ImageOps
 from cnnpipe.config import DataConfig
 from cnnpipe.data import decode
 from cnnpipe.data.prepare import DataError, prepare
-from conftest import colour_image, save_image
+from conftest import colour_image, meta_lines, save_image
 
 
 def _two_classes(root: Path, n: int = 6) -> None:
@@ -22,7 +22,7 @@ def _two_classes(root: Path, n: int = 6) -> None:
 
 
 def _sources(store: Path, split: str) -> list[str]:
-    return [json.loads(line)["source"] for line in (store / f"{split}_meta.jsonl").read_text().splitlines()]
+    return [meta["source"] for meta in meta_lines(store, split)]
 
 
 def test_odd_files_are_each_listed_with_their_reason_and_the_rest_is_prepared(tmp_path):

@@ -14,7 +14,7 @@ from cnnpipe.data.decode import decode_file, to_rgb
 from cnnpipe.data.prepare import DataError, prepare, prepare_fashion_mnist
 from cnnpipe.data.split import content_split, stratified_split
 from cnnpipe.data.store import open_split, read_index
-from conftest import colour_image, save_image
+from conftest import colour_image, meta_lines, save_image
 
 
 def tree_hash(directory: Path) -> str:
@@ -100,13 +100,13 @@ def test_a_second_prepare_reports_what_each_split_gained_and_lost(tmp_path):
     cfg = DataConfig(source=str(root), stored_size=16, image_size=16, prepare_workers=1)
     first = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     assert first["changes"] is None  # nothing to compare with
-    where = {json.loads(line)["source"]: split for split in ("train", "val", "test")
-             for line in (tmp_path / "p" / f"{split}_meta.jsonl").read_text().splitlines()}
+    where = {meta["source"]: split for split in ("train", "val", "test")
+             for meta in meta_lines(tmp_path / "p", split)}
     for i in range(200, 260):
         save_image(root / ("a" if i % 2 else "b") / f"{i}.png", colour_image(i))
     second = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
-    again = {json.loads(line)["source"]: split for split in ("train", "val", "test")
-             for line in (tmp_path / "p" / f"{split}_meta.jsonl").read_text().splitlines()}
+    again = {meta["source"]: split for split in ("train", "val", "test")
+             for meta in meta_lines(tmp_path / "p", split)}
     assert all(again[source] == split for source, split in where.items())  # no old image moved
     changes = second["changes"]
     assert changes["moved_between_splits"] == 0
@@ -213,7 +213,7 @@ def test_image_folder_reads_every_format_and_reports_broken_files(tmp_path):
     for split in ("train", "val", "test"):
         data = open_split(tmp_path / "prepared", split)
         assert data.images.shape[1:] == (24, 24, 3)
-    meta = [json.loads(line) for line in (tmp_path / "prepared" / "train_meta.jsonl").read_text().splitlines()]
+    meta = meta_lines(tmp_path / "prepared", "train")
     assert all(len(m["sha256"]) == 64 for m in meta)
 
 
@@ -270,7 +270,7 @@ def test_predefined_splits_are_kept_and_a_copy_in_train_joins_its_test_twin(tmp_
     assert report["predefined_splits"] is True
     assert report["splits"] == {"train": 11, "val": 4, "test": 6}
     assert report["moved_to_join_a_copy_or_group"] == 1 and report["leakage"] == []
-    test = [json.loads(line)["source"] for line in (tmp_path / "p" / "test_meta.jsonl").read_text().splitlines()]
+    test = [meta["source"] for meta in meta_lines(tmp_path / "p", "test")]
     assert "train/a/0.png" in test
 
 

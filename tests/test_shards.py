@@ -17,7 +17,7 @@ from cnnpipe.data.loaders import AugmentConfig, build_train_loader
 from cnnpipe.data.prepare import prepare
 from cnnpipe.data.split import content_split, hashed_unit
 from cnnpipe.data.store import SHARDS, data_fingerprint, open_split, read_index
-from conftest import colour_image, save_image
+from conftest import colour_image, meta_lines, save_image
 
 DVC = [sys.executable, "-m", "dvc"]
 
@@ -41,7 +41,7 @@ def split_view(store: Path) -> dict[str, tuple[bytes, bytes, list[str]]]:
     out = {}
     for split in ("train", "val", "test"):
         data = open_split(store, split)
-        sources = [json.loads(line)["source"] for line in (store / f"{split}_meta.jsonl").read_text().splitlines()]
+        sources = [meta["source"] for meta in meta_lines(store, split)]
         out[split] = (np.asarray(data.images).tobytes(), data.labels.tobytes(), sources)
     return out
 

@@ -17,15 +17,14 @@ from cnnpipe.config import DataConfig
 from cnnpipe.data.prepare import DataError, prepare
 from cnnpipe.data.split import hashed_unit
 from cnnpipe.data.store import new_rows, suppliers
-from conftest import colour_image, save_image
+from conftest import colour_image, meta_lines, save_image
 
 
 def _store(store: Path) -> dict[str, dict[str, str]]:
     """Per split: source path -> sha256."""
     out = {}
     for split in ("train", "val", "test"):
-        lines = (store / f"{split}_meta.jsonl").read_text().splitlines()
-        out[split] = {item["source"]: item["sha256"] for item in map(json.loads, lines)}
+        out[split] = {item["source"]: item["sha256"] for item in meta_lines(store, split)}
     return out
 
 
@@ -432,7 +431,7 @@ def test_the_store_marks_the_images_new_since_the_previous_store(tmp_path):
     report = prepare(cfg, 0, tmp_path / "p", tmp_path / "r.json")
     fresh = {f"shoes/{i:03d}.jpg" for i in range(30, 50)} | {"bags/000.jpg"}
     for split in ("train", "val", "test"):
-        sources = [json.loads(line)["source"] for line in (tmp_path / "p" / f"{split}_meta.jsonl").read_text().splitlines()]
+        sources = [meta["source"] for meta in meta_lines(tmp_path / "p", split)]
         marked = new_rows(tmp_path / "p", split)
         assert len(marked) == len(sources)
         assert {s for s, new in zip(sources, marked) if new} == fresh & set(sources), split

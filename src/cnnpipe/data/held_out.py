@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import json
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from cnnpipe.data.meta import in_folder, split_meta
 from cnnpipe.data.store import PreparedSplit, ShardedImages, open_split
 
 
@@ -80,12 +80,8 @@ def _listed_rows(prepared_dir: Path, split: str, list_path: Path | None) -> np.n
     wanted = held_out_sources(list_path, split)
     if not wanted:
         return np.zeros(0, np.int64)
-    rows = []
-    with open(Path(prepared_dir) / f"{split}_meta.jsonl", encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            meta = json.loads(line)
-            if (meta.get("source"), meta.get("sha256")) in wanted:
-                rows.append(i)
+    rows = [i for i, meta in enumerate(split_meta(in_folder(prepared_dir), split))
+            if (meta.get("source"), meta.get("sha256")) in wanted]
     return np.asarray(rows, np.int64)
 
 

@@ -28,6 +28,7 @@ from cnnpipe.data.entries import DataError
 from cnnpipe.data.held_out import read_cleared as cleared_digests, sha256_column
 from cnnpipe.data.keys import find_sorted
 from cnnpipe.data.ledger import HOLD, Ledger
+from cnnpipe.data.meta import in_folder, split_keys
 from cnnpipe.data.store import SPLITS
 from cnnpipe.files import write_json
 
@@ -94,10 +95,10 @@ def mark_store(store: Path, ledger: Ledger, held: np.ndarray, generation: int) -
     segments) into index.json. Returns the counts for the data report."""
     counts: dict[str, Any] = {"generation": generation, "held": {}, "once_trained_on": {}}
     for split in SPLITS:
-        keys = store / f"{split}_keys.npy"
-        if not keys.exists():
+        keys = split_keys(in_folder(store), split)
+        if keys is None:
             continue
-        digests = np.load(keys)["sha256"]
+        digests = keys["sha256"]
         arrived, trained = ledger.history(digests)
         arrived[arrived < 0] = generation - 1
         trained |= split == "train"

@@ -109,7 +109,8 @@ def ingest(listing_root: Path, entries: Sequence[Entry], workers: int, size: int
     todo = array.array("q", np.asarray(todo, dtype=np.int64)[np.argsort(todo_keys, kind="stable")].tolist())
     prefixes = previous.write_prefixes(journal.work / "known_prefixes.npy")
     paths = _Paths(listing_root, entries, todo)
-    pool = DecodePool(workers, size, max_pixels, str(prefixes) if prefixes else None, timeout_s)
+    pool = DecodePool(workers, size, max_pixels, str(prefixes) if prefixes else None, timeout_s,
+                      journal.quality if journal.encoded else None)  # a JPEG store's records, encoded there
     results = pool.run(paths)
     for position, (digest, image, reason, known) in (progress(results, total=len(todo)) if progress else results):
         i = todo[position]

@@ -19,11 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from cnnpipe.data import codec
 from cnnpipe.data.keys import digest_at
 from cnnpipe.data.previous import RECIPE_FILE, read_frame
+from cnnpipe.data.store import OFFSET_DTYPE, OFFSETS
 
 CHUNK = 16              # lines written per fsync at most once SYNC_EVERY_S has passed
-SYNC_EVERY_S = 0.2      # the journal's fsyncs, at most this often
+SYNC_EVERY_S = 1.0      # the journal's fsyncs, at most this often: each rewrites the last page of both files
 
 
 def where(segment: int, row: int) -> int:
@@ -37,11 +39,16 @@ class Journal:
 
     Pixels go into segment files of `rows_per_segment` frames (a shard's worth); once the run is
     done, each segment is hard-linked into the new store as a shard as it is, so a new image is
-    written once, not journalled and then copied (`writer.StoreWriter.keep`). A segment is never
-    appended to once a run has reopened it: it may be a shard of the store in place already.
+    written once, not journalled and then copied (`writer.StoreWriter.keep`). A JPEG store's journal
+    (`encoding`) holds the JPEG records instead, encoded by the decoding workers, up to
+    `segment_bytes` a segment, each line with its record's offset and length; `sidecar` writes a
+    segment's offsets, and the segment becomes a JPEG shard the same way: a new photo's record is
+    written once, its raw pixels never. A segment is never appended to once a run has reopened it: it
+    may be a shard of the store in place already.
 
     Lines wait until their pixels are fsynced (`sync`: after `CHUNK` files once `SYNC_EVERY_S` has
-    passed, so at most a few fsyncs a second even on NFS, where one can take 20 ms), so a line on
+    passed, so at most one fsync a second even on NFS, where one can take 20 ms, and on a machine that
+    reads every file of a pulled catalog once, a few pages a second written again), so a line on
     disk has its pixels on disk even after a power cut, which may keep a file's length but not its
     last blocks. A kill loses at most that much decoding. A reopened journal drops any line whose
     pixels are not there (and everything after it); frames past the last line are cut off by
@@ -49,19 +56,26 @@ class Journal:
     looked up in sorted arrays (`lookup`), 48 bytes a file.
     """
 
-    def __init__(self, work: Path, wanted: dict[str, Any], rows_per_segment: int) -> None:
+    def __init__(self, work: Path, wanted: dict[str, Any], rows_per_segment: int,
+                 encoding: dict[str, Any] | None = None, segment_bytes: int | None = None) -> None:
         self.work, self.frame = work, wanted["size"] * wanted["size"] * wanted["channels"]
         self.shape, self.rows_per_segment = (wanted["size"], wanted["size"], wanted["channels"]), rows_per_segment
+        # A JPEG store's journal holds its records (a tenth of the pixels), `segment_bytes` of them a segment.
+        self.encoding = dict(encoding or {})
+        self.encoded = bool(self.encoding)
+        self.quality = int(self.encoding.get("quality", 0))
+        self.segment_bytes = segment_bytes or rows_per_segment * self.frame
+        recipe = {**wanted, **self.encoding}  # a raw journal's recipe is as it was before encodings
         recipe_path = work / RECIPE_FILE
-        if work.exists() and (not recipe_path.exists() or json.loads(recipe_path.read_text()) != wanted):
+        if work.exists() and (not recipe_path.exists() or json.loads(recipe_path.read_text()) != recipe):
             shutil.rmtree(work)
         (work / "segments").mkdir(parents=True, exist_ok=True)
-        recipe_path.write_text(json.dumps(wanted))
+        recipe_path.write_text(json.dumps(recipe))
         lines_path = work / "journal.jsonl"
-        frames = {int(p.stem): p.stat().st_size // self.frame for p in (work / "segments").glob("*.u8")}
+        sizes = {int(p.stem): p.stat().st_size for p in (work / "segments").glob(f"*{self._suffix}")}
         keys, digests, wheres = array.array("Q"), bytearray(), array.array("q")
         reasons: dict[int, str] = {}  # line number -> why the file is unusable (a few)
-        used: dict[int, int] = {}  # segment -> frames its lines use
+        self._ends: dict[int, array.array] = {}  # segment -> where each of its rows ends (bytes)
         whole = 0  # bytes of the lines file up to the last complete line
         if lines_path.exists():
             with open(lines_path, "rb") as fh:
@@ -72,16 +86,18 @@ class Journal:
                         item = None
                     if item is None:  # the last line of a killed run may be cut short
                         break
-                    if item["seg"] >= 0 and item["row"] >= frames.get(item["seg"], 0):
-                        break  # its pixels were lost (a power cut): decode it again
+                    if item["seg"] >= 0:
+                        ends = self._ends.setdefault(item["seg"], array.array("Q"))
+                        end = item["off"] + item["len"] if self.encoded else (item["row"] + 1) * self.frame
+                        if item["row"] != len(ends) or end > sizes.get(item["seg"], 0):
+                            break  # its pixels were lost (a power cut): decode it again
+                        ends.append(end)
                     whole += len(line)
                     if item["reason"] is not None:
                         reasons[len(keys)] = item["reason"]
                     keys.append(item["key"])
                     digests += bytes.fromhex(item["sha256"])
                     wheres.append(where(item["seg"], item["row"]) if item["seg"] >= 0 else -1)
-                    if item["seg"] >= 0:
-                        used[item["seg"]] = max(used.get(item["seg"], 0), item["row"] + 1)
         all_keys = np.frombuffer(keys, dtype=np.uint64)
         # A file journalled twice (its copy source vanished, so it was read again) counts as its last line.
         order = np.argsort(all_keys, kind="stable")
@@ -92,33 +108,39 @@ class Journal:
         self._digests = np.frombuffer(bytes(digests), dtype="S32")
         self._wheres = np.frombuffer(wheres, dtype=np.int64)
         self._reasons = reasons
-        for segment, count in frames.items():
-            self._keep_frames(segment, used.get(segment, 0), count)
+        for segment, size in sizes.items():
+            ends = self._ends.get(segment)
+            self._keep_frames(segment, ends[-1] if ends else 0, size)
         with open(lines_path, "ab") as fh:  # a torn last line off, so new lines do not follow half of one
             fh.truncate(whole)
         self._lines = open(lines_path, "a", encoding="utf-8")
-        self._segment = max(frames, default=-1)  # new pixels go to a new segment, never a reopened one
+        self._segment = max(sizes, default=-1)  # new pixels go to a new segment, never a reopened one
         self._pixels: Any = None
-        self._rows = rows_per_segment  # rows in the open segment: none open yet
+        self._rows = self._bytes = 0  # rows and bytes in the open segment (none open yet)
         self._readers: dict[int, int] = {}
         self._pending: list[str] = []  # lines whose pixels are not yet fsynced
         self._synced_at = time.monotonic()
 
-    def _keep_frames(self, segment: int, used: int, count: int) -> None:
-        """Keep only the first `used` frames of a reopened segment, in a new file when that cuts any."""
+    @property
+    def _suffix(self) -> str:
+        return ".jpg" if self.encoded else ".u8"
+
+    def _keep_frames(self, segment: int, used: int, size: int) -> None:
+        """Keep only the first `used` bytes of a reopened segment (its rows that have lines), in a new
+        file when that cuts any."""
         path = self.segment_path(segment)
         if used == 0:
             path.unlink()
-        elif used < count or path.stat().st_size != used * self.frame:
+        elif used != size:
             tmp = path.with_suffix(".tmp")
             with open(path, "rb") as src, open(tmp, "wb") as out:
-                out.write(src.read(used * self.frame))
+                out.write(src.read(used))
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, path)  # a new inode: a store that links the old one keeps it whole
 
     def segment_path(self, segment: int) -> Path:
-        return self.work / "segments" / f"{segment:06d}.u8"
+        return self.work / "segments" / f"{segment:06d}{self._suffix}"
 
     def __len__(self) -> int:
         """Files the journal held when it was opened."""
@@ -133,18 +155,26 @@ class Journal:
         line = int(self._lines_of[i])
         return digest_at(self._digests, line), int(self._wheres[line]), self._reasons.get(line)
 
-    def record(self, key: int, digest: bytes, image: np.ndarray | None, reason: str | None) -> int:
-        """Keep one file's outcome; returns `where` its pixels are (-1 when there are none)."""
-        at, segment, row = -1, -1, -1
+    def record(self, key: int, digest: bytes, image: np.ndarray | bytes | None, reason: str | None) -> int:
+        """Keep one file's outcome (its pixels, or a JPEG journal's record: pixels given are encoded
+        here); returns `where` they are (-1 when there are none)."""
+        at, segment, row, extra = -1, -1, -1, {}
         if image is not None:
-            if self._rows >= self.rows_per_segment:
+            if self.encoded and isinstance(image, np.ndarray):
+                image = codec.encode(image, self.quality)
+            data = image if isinstance(image, bytes) else np.ascontiguousarray(image).tobytes()
+            if self._pixels is None or (self._rows > 0 and (self._bytes + len(data) > self.segment_bytes if self.encoded
+                                                            else self._rows >= self.rows_per_segment)):
                 self._next_segment()
-            self._pixels.write(np.ascontiguousarray(image).tobytes())
+            self._pixels.write(data)
             self._pixels.flush()  # readable by `pixels` at once; durable at the next `sync`
             segment, row = self._segment, self._rows
-            at, self._rows = where(segment, row), self._rows + 1
+            if self.encoded:
+                extra = {"off": self._bytes, "len": len(data)}
+            self._ends[segment].append(self._bytes + len(data))
+            at, self._rows, self._bytes = where(segment, row), self._rows + 1, self._bytes + len(data)
         self._pending.append(json.dumps({"key": key, "sha256": digest.hex(), "seg": segment, "row": row,
-                                         "reason": reason}))
+                                         "reason": reason, **extra}))
         if len(self._pending) >= CHUNK and time.monotonic() - self._synced_at >= SYNC_EVERY_S:
             self.sync()
         return at
@@ -154,7 +184,24 @@ class Journal:
             self.sync()
             self._pixels.close()
         self._segment += 1
-        self._pixels, self._rows = open(self.segment_path(self._segment), "xb"), 0
+        self._pixels, self._rows, self._bytes = open(self.segment_path(self._segment), "xb"), 0, 0
+        self._ends[self._segment] = array.array("Q")
+
+    def size_of(self, at: int) -> int:
+        """Bytes the frame or record at `where` `at` takes in its segment."""
+        ends = self._ends[at >> 32]
+        row = at & 0xFFFFFFFF
+        return ends[row] - (ends[row - 1] if row else 0)
+
+    def sidecar(self, segment: int) -> Path:
+        """A JPEG journal's segment's offsets (`store.offsets_name` beside it: (rows + 1) uint64, the
+        layout of a JPEG shard's), written now, so the segment can become a shard as it is."""
+        self.sync()
+        path = self.segment_path(segment).with_suffix(OFFSETS)
+        tmp = path.with_suffix(".off-tmp")
+        np.asarray([0, *self._ends[segment]], dtype=OFFSET_DTYPE).tofile(tmp)
+        os.replace(tmp, path)  # a new inode: never rewrite one a store may already share
+        return path
 
     def sync(self) -> None:
         """Make the pixels durable, then write the lines that point at them."""
@@ -174,12 +221,21 @@ class Journal:
 
     def pixels(self, at: int) -> np.ndarray:
         """One decoded image back (pread, not a memory map: see `PreviousStore.pixels`)."""
+        if self.encoded:
+            return codec.decode(self.record_at(at), self.shape[2])
         segment, row = at >> 32, at & 0xFFFFFFFF
         if self._pixels is not None:
             self._pixels.flush()
         if segment not in self._readers:
             self._readers[segment] = os.open(self.segment_path(segment), os.O_RDONLY)
         return read_frame(self._readers[segment], row, self.shape)
+
+    def record_at(self, at: int) -> bytes:
+        """The bytes of the frame or record at `where` `at`."""
+        size = self.size_of(at)
+        with open(self.segment_path(at >> 32), "rb") as fh:
+            fh.seek(self._ends[at >> 32][at & 0xFFFFFFFF] - size)
+            return fh.read(size)
 
     def close(self) -> None:
         self.sync()

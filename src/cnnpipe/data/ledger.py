@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from cnnpipe.data.keys import find_sorted, last_of_runs, path_keys
+from cnnpipe.data.meta import split_meta
 from cnnpipe.data.previous import Tree
 from cnnpipe.data.store import SPLITS
 
@@ -264,11 +265,10 @@ def records_from_store(tree: Tree, classes: list[str], given: frozenset[str] = f
         remap.append(classes.index(name))
     parts, paths = [], []
     for code, split in enumerate(SPLITS):
-        meta, labels = tree.path(f"{split}_meta.jsonl"), tree.path(f"{split}_labels.npy")
-        if meta is None or labels is None:
+        labels = tree.path(f"{split}_labels.npy")
+        items = list(split_meta(tree.path, split)) if labels is not None else []
+        if not items:
             continue
-        with open(meta, encoding="utf-8") as fh:
-            items = [json.loads(line) for line in fh]
         records = np.zeros(len(items), dtype=RECORD)
         records["digest"] = np.frombuffer(b"".join(bytes.fromhex(item["sha256"]) for item in items), dtype="S32")
         records["path"] = path_keys([item["source"] for item in items])

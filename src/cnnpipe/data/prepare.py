@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from functools import partial
 from pathlib import Path
@@ -27,13 +28,14 @@ from cnnpipe.data.holds import apply_holds, holds, last_list, mark_store, read_c
 from cnnpipe.data.keys import HexDigests, digest_at, path_keys
 from cnnpipe.data.ledger import RECORD, Ledger, records_from_store, write_ledger
 from cnnpipe.data.lineage import another_catalog, catalog_identity, missing_history, recorded_catalog
+from cnnpipe.data.meta import STAT_FILE, stat_cache
 from cnnpipe.data.previous import ENCODING_KEYS, FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
 from cnnpipe.data.report import leakage, listed, mark_new, split_changes, split_codes
 from cnnpipe.data.split import content_split
 from cnnpipe.data.sticky import Assigned, assign_splits, split_rule, stable_cap
 from cnnpipe.data.store import SPLITS
 from cnnpipe.data.swap import recover, staged, swap_in
-from cnnpipe.data.writer import StoreWriter, first_serial, rows_per_shard
+from cnnpipe.data.writer import StoreWriter, first_serial, rows_per_shard, shard_bytes
 from cnnpipe.files import write_json
 
 __all__ = ["DataError", "prepare", "prepare_fashion_mnist"]
@@ -122,10 +124,10 @@ def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: L
                   labels: np.ndarray, journal: Journal, old: PreviousStore) -> tuple[int, int]:
     """Each split's images into `writer`, in content order, all by reference to a shard but those of
     a store before shards or in another encoding (copied, and encoded): decoded ones to their journal
-    segment, the previous store's to theirs. A JPEG store encodes the journal's decoded pixels into
-    its own shards. In place, `splits` takes that order. Returns (kept, copied)."""
+    segment (a JPEG store's journal holds records), the previous store's to theirs. In place,
+    `splits` takes that order. Returns (kept, copied)."""
     kept = copied = 0
-    segments: dict[Path, str] = {}  # journal segment -> its shard name in the new store
+    segments: dict[Path, tuple[str, Path | None]] = {}  # journal segment -> its shard name (and offsets)
     for split in SPLITS:
         members = splits[split] = splits[split][np.argsort(got.digests[splits[split]], kind="stable")]
         for i in members:
@@ -133,13 +135,13 @@ def _write_splits(writer: StoreWriter, splits: dict[str, np.ndarray], listing: L
             meta = {"source": entry.path, "sha256": digest.hex(), "size": entry.size, "mtime_ns": entry.mtime_ns}
             if entry.supplier is not None:
                 meta["supplier"] = entry.supplier
-            if row >= 0 and writer.encoding == "jpeg":  # decoded by this run: encoded into a new shard
-                writer.add(split, journal.pixels(row), int(labels[i]), digest, meta)
-            elif row >= 0:  # decoded by this run: its journal segment becomes a shard as it is
+            if row >= 0:  # decoded by this run: its journal segment becomes a shard as it is
                 segment, segment_row = journal.frame_of(row)
                 if segment not in segments:
-                    segments[segment] = writer.fresh_name()
-                writer.keep(split, segments[segment], segment, segment_row, int(labels[i]), digest, meta, fresh=True)
+                    segments[segment] = (writer.fresh_name(), journal.sidecar(row >> 32) if journal.encoded else None)
+                name, sidecar = segments[segment]
+                writer.keep(split, name, segment, segment_row, int(labels[i]), digest, meta,
+                            fresh=journal.size_of(row), sidecar=sidecar)
             elif old.lends_shards:  # a shard of the previous store holds it: point at it, read nothing
                 shard, shard_row = old.find(digest)
                 writer.keep(split, old.names[shard], old.files[shard], shard_row, int(labels[i]), digest, meta,
@@ -174,7 +176,8 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
     root = listing.root
     all_classes = sorted(listing.entries.labels)
     wanted, encoding = recipe(cfg.stored_size, cfg.max_pixels), store_encoding(cfg, 3)
-    journal = Journal(work, wanted, rows_per_shard(cfg.shard_mb, cfg.stored_size**2 * 3))  # raw pixels, either way
+    journal = Journal(work, wanted, rows_per_shard(cfg.shard_mb, cfg.stored_size**2 * 3), encoding,
+                      shard_bytes(cfg.shard_mb))  # raw pixels, or a JPEG store's records
     old = PreviousStore(previous, wanted, encoding)
     workers = usable_cores() if cfg.prepare_workers == "auto" else int(cfg.prepare_workers)
     try:
@@ -199,6 +202,8 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
             members = np.flatnonzero(assigned.names == split)
             splits[split] = members[stable_cap(labels[members], got.digests[members], cap, seed)]
         writer = _writer(cfg, out_dir, 3, first_serial(old.names if old.sealed else [], old.next_serial))
+        if previous is not None:
+            writer.lend_meta(previous.path)  # its meta lines kept where unchanged (`meta`)
         try:
             kept, copied = _write_splits(writer, splits, listing, got, labels, journal, old)
         except BaseException:
@@ -217,6 +222,7 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
         raise DataError(f"data.source: {root}: fewer than two classes have a usable training image "
                         f"(without any: {', '.join(no_train)}); see metrics/data_report.json")
     (out_dir / RECIPE_FILE).write_text(json.dumps({**wanted, **encoding}))
+    np.save(work / STAT_FILE, writer.stat_table())
     if got.failed:
         (out_dir / FAILED_FILE).write_text("".join(json.dumps({"key": k, "reason": r}) + "\n" for k, r in got.failed))
     report = {
@@ -352,6 +358,8 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
     if recovered:
         report["recovered"] = recovered
     swap_in([(new_store, out_dir), (new_ledger, ledger_dir)])
+    if (work / STAT_FILE).exists():  # this machine's stat cache of the store now in place (`meta`)
+        os.replace(work / STAT_FILE, stat_cache(out_dir))
     shutil.rmtree(work, ignore_errors=True)
     write_json(report_path, report)
     return report

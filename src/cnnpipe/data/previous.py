@@ -27,6 +27,7 @@ import numpy as np
 import yaml
 
 from cnnpipe.data.keys import digest_at, stat_key
+from cnnpipe.data.meta import STAT, read_stat_cache, split_keys
 from cnnpipe.data.store import FORMAT_VERSION, SPLITS, offsets_name
 
 RECIPE_FILE = "recipe.json"
@@ -131,19 +132,6 @@ def find_previous(folder: Path) -> Found:
 
 
 # --------------------------------------------------------------------------- the previous store's images
-def read_store_meta(meta: Path, with_keys: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """(sha256 as S32, `stat_key` as uint64, empty unless `with_keys`) of every row of a split's meta
-    file, streamed into flat buffers: 40 bytes an image, where lists of bytes and ints take ~150."""
-    digests, keys = bytearray(), array.array("Q")
-    with open(meta, encoding="utf-8") as fh:
-        for line in fh:
-            item = json.loads(line)
-            digests += bytes.fromhex(item["sha256"])
-            if with_keys:
-                keys.append(stat_key(item["source"], item.get("size", -1), item.get("mtime_ns", -1)))
-    return np.frombuffer(bytes(digests), dtype="S32"), np.frombuffer(keys, dtype=np.uint64)
-
-
 def read_frame(fd: int, row: int, shape: tuple[int, int, int]) -> np.ndarray:
     """Row `row` of a raw (rows, *shape) uint8 file, with one pread."""
     frame = shape[0] * shape[1] * shape[2]
@@ -187,13 +175,8 @@ class PreviousStore:
         empty = (np.zeros(0, dtype="S32"), np.zeros(0, dtype=np.uint64))
         parts, wheres = [], []
         for code, split in enumerate(SPLITS):
-            meta = tree.path(f"{split}_meta.jsonl") if index else None
-            keys = tree.path(f"{split}_keys.npy") if index else None
-            if keys is not None:  # a store since `writer.KEYS`: no JSON to parse
-                table = np.load(keys)
-                parts.append((table["sha256"], table["stat"]))
-            else:
-                parts.append(read_store_meta(meta) if meta else empty)
+            table = split_keys(tree.path, split) if index else None  # no JSON parsed since `meta.KEYS`
+            parts.append((table["sha256"], table["stat"]) if table is not None else empty)
             count = len(parts[-1][0])
             rows = tree.path(f"{split}_rows.npy") if self.sealed and count else None
             wheres.append(np.load(rows) if rows else np.stack([np.full(count, code), np.arange(count)], axis=1))
@@ -201,6 +184,13 @@ class PreviousStore:
         where = np.concatenate(wheres).reshape(-1, 2).astype(np.int32)
         order = np.argsort(all_digests, kind="stable")
         self.digests, self.where = all_digests[order], where[order]
+        # Unchanged files by their stat: recorded in a store before segments, else in this machine's
+        # stat cache (its entries for images this store holds: a cache left by another store is no use).
+        cached = read_stat_cache(tree.root) if index else np.zeros(0, dtype=STAT)
+        cached = cached[np.isin(cached["sha256"], self.digests)] if len(cached) else cached
+        recorded = all_keys != 0
+        all_keys = np.concatenate([all_keys[recorded], cached["stat"]])
+        all_digests = np.concatenate([all_digests[recorded], cached["sha256"]])
         by_key = np.argsort(all_keys, kind="stable")
         self.keys, self.key_digests = all_keys[by_key], all_digests[by_key]
         self.shape = (wanted["size"], wanted["size"], wanted["channels"])

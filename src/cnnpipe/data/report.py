@@ -11,7 +11,8 @@ from typing import Any, Callable
 import numpy as np
 
 from cnnpipe.data.keys import digest_at
-from cnnpipe.data.previous import Tree, read_store_meta
+from cnnpipe.data.meta import in_folder, split_keys
+from cnnpipe.data.previous import Tree
 from cnnpipe.data.store import SPLITS
 
 LISTED = 100
@@ -59,15 +60,10 @@ def listed(out_dir: Path, bad: list[dict[str, str]], ignored: list[str]) -> dict
 def _members(store: Tree | None) -> list[np.ndarray] | None:
     """Per split (in SPLITS order), the sorted distinct content hashes (S32) of a prepared store;
     None when there is no store."""
-    metas = [store.path(f"{split}_meta.jsonl") if store else None for split in SPLITS]
-    if not any(metas):
+    keys = [split_keys(store.path, split) for split in SPLITS] if store else [None]
+    if all(k is None for k in keys):
         return None
-    out = []
-    for split, meta in zip(SPLITS, metas):
-        keys = store.path(f"{split}_keys.npy")
-        digests = np.load(keys)["sha256"] if keys else read_store_meta(meta, with_keys=False)[0] if meta else None
-        out.append(np.unique(digests) if digests is not None else np.zeros(0, dtype="S32"))
-    return out
+    return [np.unique(k["sha256"]) if k is not None else np.zeros(0, dtype="S32") for k in keys]
 
 
 def mark_new(previous: Tree | None, current: Path) -> dict[str, int]:
@@ -79,9 +75,9 @@ def mark_new(previous: Tree | None, current: Path) -> dict[str, int]:
     known = np.unique(np.concatenate(before)) if before else np.zeros(0, dtype="S32")
     counts = {}
     for split in SPLITS:
-        keys = current / f"{split}_keys.npy"
-        if keys.exists():
-            new = ~np.isin(np.load(keys)["sha256"], known)
+        keys = split_keys(in_folder(current), split)
+        if keys is not None:
+            new = ~np.isin(keys["sha256"], known)
             np.save(current / f"{split}_new.npy", new)
             counts[split] = int(new.sum())
     return counts

@@ -13,14 +13,16 @@ Layout of a prepared directory::
                              bytes [off[r], off[r+1]) (`codec.pack`'s layout)
     <split>_rows.npy         (N, 2) int32: each image's shard (its place in index.json's list) and row
     <split>_labels.npy       int64 labels
-    <split>_keys.npy         each image's sha256 and the key of its file's path, size and mtime
     <split>_new.npy          bool: the image's bytes are new since the previous store (`new_rows`)
     <split>_arrived.npy      int32: the split ledger's segment its bytes first arrived in (`data.holds`;
                              index.json's `generation` counts the segments)
     <split>_trained.npy      bool: its bytes were ever in a training split (the ledger)
     <split>_held.npy         bool: held out by the delivery check until relabelled or cleared
-    <split>_meta.jsonl       one line per image: source path and sha256 of the source bytes (and, for
-                             image files, their size and mtime: unchanged files are not read again)
+    <split>_meta.npy         (N, 2) int32: where each image's meta line is (segment, line)
+    meta/<serial>.jsonl + .npy
+                             sealed segments of meta lines (`meta`): source path and sha256 of the
+                             source bytes (and, for image files, their size and mtime: unchanged files
+                             are not read again), written once like the shards
     recipe.json              the decoding rules and size (image files only): which stores can share pixels
     split_rule.json          the seed and fractions the splits were drawn with (image files only)
 
@@ -55,6 +57,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from cnnpipe.data import codec
+from cnnpipe.data.meta import in_folder, split_meta
 from cnnpipe.data.pins import pin_store
 
 FORMAT_VERSION = 2
@@ -348,8 +351,7 @@ def data_fingerprint(prepared_dir: Path) -> str:
 def test_sources(prepared_dir: Path, n: int | None = None) -> list[str]:
     """Source paths of the test split's images in its order (the first `n`; None: all): what
     evaluate's predictions.csv lists and the gate checks it against."""
-    with open(Path(prepared_dir) / "test_meta.jsonl", encoding="utf-8") as fh:
-        return list(itertools.islice((json.loads(line)["source"] for line in fh), n))
+    return [meta["source"] for meta in itertools.islice(split_meta(in_folder(prepared_dir), "test"), n)]
 
 
 def new_rows(prepared_dir: Path, split: str) -> np.ndarray | None:
@@ -362,5 +364,4 @@ def new_rows(prepared_dir: Path, split: str) -> np.ndarray | None:
 def suppliers(prepared_dir: Path, split: str) -> list[str | None]:
     """Each image's supplier (a manifest's `supplier` column) in the split's order, None where the
     source gives none: what a per-supplier report slices by."""
-    with open(Path(prepared_dir) / f"{split}_meta.jsonl", encoding="utf-8") as fh:
-        return [json.loads(line).get("supplier") for line in fh]
+    return [meta.get("supplier") for meta in split_meta(in_folder(prepared_dir), split)]

@@ -25,14 +25,16 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from cnnpipe.data import codec
 from cnnpipe.data.decode import decode_bytes
 
 CHUNK = 16              # files per task: amortises the inter-process round trip
 CHUNKS_PER_WORKER = 2   # tasks queued per worker: it never waits for work, and memory stays bounded
 STARTUP_S = 300         # a worker that is not ready by then (imports on a swamped machine) is an error
 FAILED_TWICE = "its decoding process failed twice"
-Outcome = tuple[bytes, "np.ndarray | None", "str | None", bool]
-"""One file's result: (sha256, pixels or None, why it is unusable or None, known to the previous store)."""
+Outcome = tuple[bytes, "np.ndarray | bytes | None", "str | None", bool]
+"""One file's result: (sha256, pixels (or, for a JPEG store, their JPEG record) or None, why it is
+unusable or None, known to the previous store)."""
 
 _KNOWN: dict[str, np.ndarray] = {}
 READY = "ready"
@@ -58,9 +60,10 @@ def unusable(path: str, reason: str) -> Outcome:
     return hashlib.sha256(os.fsencode(path)).digest(), None, reason, False
 
 
-def ingest_file(path: str, size: int, max_pixels: int, prefixes_file: str | None) -> Outcome:
+def ingest_file(path: str, size: int, max_pixels: int, prefixes_file: str | None, quality: int | None = None) -> Outcome:
     """Read one file once: its sha256 and, unless the previous store may hold those bytes (then its
-    pixels are kept, not decoded), its pixels. Never raises for a bad file."""
+    pixels are kept, not decoded), its pixels, or with a `quality` their JPEG record (`codec.encode`:
+    a JPEG store's bytes, encoded here in parallel). Never raises for a bad file."""
     try:
         try:
             data = Path(path).read_bytes()
@@ -70,12 +73,14 @@ def ingest_file(path: str, size: int, max_pixels: int, prefixes_file: str | None
         if _is_known(digest, prefixes_file):
             return digest, None, None, True
         decoded = decode_bytes(data, path, size, max_pixels, digest=digest.hex())
+        if quality is not None and decoded.image is not None:
+            return digest, codec.encode(decoded.image, quality), decoded.reason, False
         return digest, decoded.image, decoded.reason, False
     except Exception as exc:  # noqa: BLE001 - one odd file must not stop the catalog, nor lose its name
         return unusable(path, f"cannot be read: {type(exc).__name__}: {exc}")
 
 
-def _serve(conn: Connection, size: int, max_pixels: int, prefixes_file: str | None) -> None:
+def _serve(conn: Connection, size: int, max_pixels: int, prefixes_file: str | None, quality: int | None) -> None:
     """A worker: decode each (position, path) of each chunk received, answering file by file."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a codec crash leaves no core file behind
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -88,7 +93,7 @@ def _serve(conn: Connection, size: int, max_pixels: int, prefixes_file: str | No
         if chunk is None:
             return
         for position, path in chunk:
-            conn.send((position, ingest_file(path, size, max_pixels, prefixes_file)))
+            conn.send((position, ingest_file(path, size, max_pixels, prefixes_file, quality)))
 
 
 class _Worker:
@@ -134,10 +139,13 @@ def _death(worker: _Worker) -> str:
 
 class DecodePool:
     """`workers` decoding processes; `run(paths)` yields (position, outcome) for every path, in their
-    order, with at most `workers * CHUNKS_PER_WORKER` chunks in flight."""
+    order, with at most `workers * CHUNKS_PER_WORKER` chunks in flight; with a `quality`, each image
+    comes back as its JPEG record."""
 
-    def __init__(self, workers: int, size: int, max_pixels: int, prefixes_file: str | None, timeout_s: float) -> None:
-        self.workers, self.args, self.timeout_s = max(1, workers), (size, max_pixels, prefixes_file), timeout_s
+    def __init__(self, workers: int, size: int, max_pixels: int, prefixes_file: str | None, timeout_s: float,
+                 quality: int | None = None) -> None:
+        self.workers, self.timeout_s = max(1, workers), timeout_s
+        self.args = (size, max_pixels, prefixes_file, quality)
         self.ctx = mp.get_context("spawn")  # no fork: the parent's threads and open files stay its own
         self.suspects: list[tuple[int, str, str]] = []  # (position, path, what happened the first time)
 

@@ -7,7 +7,9 @@ previous shard that is mostly dead (under half its rows still wanted) is compact
 move into new shards and it is dropped. So an update writes the new images, at most one partly
 filled shard per split, and the rare compaction, and reads no old pixels otherwise.
 
-A JPEG store (`encoding="jpeg"`) writes each new image as one JPEG record (`codec.encode`) and
+Each image's meta line goes through `meta.MetaWriter`: kept in the previous store's sealed meta
+segments where it is unchanged, else appended to this store's new one; the per-split files point at
+them. A JPEG store (`encoding="jpeg"`) writes each new image as one JPEG record (`codec.encode`) and
 seals a shard at `data.shard_mb` of records, with its offsets sidecar; kept shards are linked with
 their sidecars, and compaction moves records as bytes (nothing is decoded or encoded again).
 """
@@ -17,8 +19,6 @@ from __future__ import annotations
 import array
 import errno
 import hashlib
-import json
-import mmap
 import os
 import shutil
 from pathlib import Path
@@ -28,12 +28,10 @@ import numpy as np
 
 from cnnpipe.data import codec
 from cnnpipe.data.keys import stat_key
+from cnnpipe.data.meta import STAT, MetaWriter, PathOf, segment_files
 from cnnpipe.data.store import FORMAT_VERSION, OFFSET_DTYPE, SHARDS, SPLITS, offsets_name, read_offsets
 from cnnpipe.files import write_json
 
-KEYS = np.dtype([("sha256", "S32"), ("stat", "<u8")])
-"""`<split>_keys.npy`: each image's content hash and `keys.stat_key`, in the split's order: what the
-next prepare looks images up by, without parsing the meta lines (30x faster at 10M images)."""
 COMPACT_BELOW = 0.5
 """A previous shard with fewer live rows than this share is compacted."""
 
@@ -41,6 +39,11 @@ COMPACT_BELOW = 0.5
 def rows_per_shard(shard_mb: float, frame_bytes: int) -> int:
     """Images in a full shard of `shard_mb` MiB (at least one)."""
     return max(1, int(shard_mb * 2**20) // frame_bytes)
+
+
+def shard_bytes(shard_mb: float) -> int:
+    """Bytes of records in a full JPEG shard of `shard_mb` MiB (at least one)."""
+    return max(1, int(shard_mb * 2**20))
 
 
 def first_serial(names: list[str], recorded: int = 0) -> int:
@@ -60,23 +63,20 @@ def _link(path: Path, target: Path) -> None:
 
 class _SplitRows:
     """What one split holds, as flat buffers (~60 bytes an image, at any catalog size): shard, row,
-    label and sha256 of each image, and its meta line in a side file (reordered at close)."""
+    label and sha256 of each image, and where its meta line is (`meta.MetaWriter`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self) -> None:
         self.shard, self.row, self.label = array.array("i"), array.array("i"), array.array("q")
-        self.digests, self.stat_keys = bytearray(), array.array("Q")
-        self.meta_path, self.offsets = path, array.array("Q", [0])
-        self.meta: IO[bytes] = open(path, "wb")
+        self.digests = bytearray()
+        self.meta_segment, self.meta_line = array.array("i"), array.array("i")
 
-    def append(self, shard: int, row: int, label: int, digest: bytes, meta: dict[str, Any]) -> None:
+    def append(self, shard: int, row: int, label: int, digest: bytes, meta_at: tuple[int, int]) -> None:
         self.shard.append(shard)
         self.row.append(row)
         self.label.append(label)
         self.digests += digest
-        self.stat_keys.append(stat_key(meta.get("source", ""), meta.get("size", -1), meta.get("mtime_ns", -1)))
-        line = (json.dumps(meta, ensure_ascii=False) + "\n").encode()
-        self.meta.write(line)
-        self.offsets.append(self.offsets[-1] + len(line))
+        self.meta_segment.append(meta_at[0])
+        self.meta_line.append(meta_at[1])
 
 
 class _OpenShard:
@@ -103,7 +103,7 @@ class StoreWriter:
         self.encoding, self.quality = encoding, codec.check_quality(quality)
         self.frame_bytes = size * size * channels
         self.rows_per_shard = rows_per_shard(shard_mb, self.frame_bytes)
-        self.shard_bytes = max(1, int(shard_mb * 2**20))
+        self.shard_bytes = shard_bytes(shard_mb)
         (self.out_dir / SHARDS).mkdir(parents=True, exist_ok=True)
         # Serials only grow (index.json keeps the next one): a shard name, once used, never names other
         # bytes, so a reader that opened an old store by name never reads another store's pixels.
@@ -113,7 +113,9 @@ class StoreWriter:
         self._new: set[int] = set()
         self._sidecars: dict[int, Path] = {}  # a JPEG shard's number -> its offsets file
         self._open: dict[str, _OpenShard] = {}  # split -> the shard it appends to
-        self.splits = {s: _SplitRows(self.out_dir / f".{s}_meta.unsorted") for s in SPLITS}
+        self.splits = {s: _SplitRows() for s in SPLITS}
+        self.meta = MetaWriter(self.out_dir)
+        self._stats, self._stat_digests = array.array("Q"), bytearray()
         self.written_bytes = 0
 
     def _number(self, name: str, path: Path) -> int:
@@ -158,28 +160,50 @@ class StoreWriter:
         return self._append_record(split, record)
 
     def add(self, split: str, image: np.ndarray, label: int, digest: bytes, meta: dict[str, Any]) -> None:
-        """Append a new (size, size, channels) uint8 image; `meta` becomes its line in `<split>_meta.jsonl`."""
+        """Append a new (size, size, channels) uint8 image; `meta` is its meta line (`meta.split_meta`)."""
         if image.shape != self.frame or image.dtype != np.uint8:
             raise ValueError(f"{meta.get('source')}: got {image.shape} {image.dtype}, expected {self.frame} uint8")
         shard, row = self._append_pixels(split, image)
-        self.splits[split].append(shard, row, label, digest, meta)
+        self.splits[split].append(shard, row, label, digest, self._meta_at(digest, meta))
 
     def keep(self, split: str, name: str, shard: Path, row: int, label: int, digest: bytes,
-             meta: dict[str, Any], fresh: bool = False, sidecar: Path | None = None) -> None:
+             meta: dict[str, Any], fresh: int = 0, sidecar: Path | None = None) -> None:
         """Point at row `row` of a sealed shard `name` whose file is `shard` (and, of a JPEG store,
-        whose offsets are `sidecar`): one of the previous store (in it or in the DVC cache), or a raw
-        store's segment of this run's journal (`fresh`: its pixels were written by this run, which
-        `last_update` counts); no pixels are read or written here."""
+        whose offsets are `sidecar`): one of the previous store (in it or in the DVC cache), or a
+        segment of this run's journal (`fresh`: the bytes of its frame or record, written by this run,
+        which `last_update` counts); no pixels are read or written here."""
         number = self._number(name, shard)
         if sidecar is not None:
             self._sidecars[number] = sidecar
-        self.splits[split].append(number, row, label, digest, meta)
-        self.written_bytes += self.frame_bytes if fresh else 0
+        self.splits[split].append(number, row, label, digest, self._meta_at(digest, meta))
+        self.written_bytes += fresh
+
+    def lend_meta(self, path_of: PathOf) -> None:
+        """Keep the meta lines the previous store holds (its segments, `meta`) where they are unchanged."""
+        self.meta.use_previous(path_of)
+
+    def _meta_at(self, digest: bytes, meta: dict[str, Any]) -> tuple[int, int]:
+        if "mtime_ns" in meta:  # an image file: its stat goes to this machine's stat cache, not the store
+            self._stats.append(stat_key(meta["source"], meta.get("size", -1), meta["mtime_ns"]))
+            self._stat_digests += digest
+        return self.meta.pointer(meta, digest, self._meta_name)
+
+    def stat_table(self) -> np.ndarray:
+        """The stat cache of the images written (`meta.STAT`, sorted): save it with `meta.stat_cache`
+        beside the store once it is in place."""
+        table = np.zeros(len(self._stats), dtype=STAT)
+        table["stat"] = np.frombuffer(self._stats, np.uint64)
+        table["sha256"] = np.frombuffer(bytes(self._stat_digests), "S32")
+        return table[np.argsort(table["stat"], kind="stable")]
+
+    def _meta_name(self) -> str:
+        self._next_serial += 1
+        return f"{self._next_serial - 1:06d}"
 
     def fresh_name(self) -> str:
         """A new shard's name, for a journal segment this store takes as a shard (any split's images)."""
         self._next_serial += 1
-        return f"{self._next_serial - 1:06d}-mixed.u8"
+        return f"{self._next_serial - 1:06d}-mixed.{'jpg' if self.encoding == 'jpeg' else 'u8'}"
 
     def _rows_in(self, number: int) -> int:
         """Rows (frames or records) shard `number` holds."""
@@ -232,25 +256,23 @@ class StoreWriter:
         """Close every file after a failure (the caller removes the half-written store)."""
         for shard in self._open.values():
             shard.fh.close()
-        for rows in self.splits.values():
-            rows.meta.close()
+        self.meta.seal()
 
     def close(self, classes: list[str], source: str, carved: list[str]) -> dict[str, Any]:
         """Compact, seal the open shards, write each split in content order and index.json."""
-        for rows in self.splits.values():
-            rows.meta.close()
         compaction = self._compact()
         for shard in self._open.values():
             self._seal(shard)
         used = self._live_rows()
         renumber = np.cumsum(used > 0) - 1
         shards = self._link_kept(used)
+        meta, meta_renumber = self._close_meta()
         splits = {}
         for split, rows in self.splits.items():
-            splits[split] = self._write_split(split, rows, renumber, len(classes))
+            splits[split] = self._write_split(split, rows, renumber, meta_renumber, len(classes))
         index = {"format": FORMAT_VERSION, "source": source, "carved": sorted(carved), "classes": classes,
                  "size": self.frame[0], "channels": self.frame[2], "rows_per_shard": self.rows_per_shard,
-                 "shards": shards, "next_serial": self._next_serial, "splits": splits,
+                 "shards": shards, "meta": meta, "next_serial": self._next_serial, "splits": splits,
                  "last_update": {**compaction, "written_bytes": self.written_bytes}}
         if self.encoding == "jpeg":  # a raw store's index stays as it was before encodings
             index.update({"encoding": "jpeg", "quality": self.quality, "codec": codec.CODEC,
@@ -259,8 +281,35 @@ class StoreWriter:
         write_json(self.out_dir / "index.json", index)
         return index
 
-    def _write_split(self, split: str, rows: _SplitRows, renumber: np.ndarray, num_classes: int) -> dict[str, Any]:
-        """`<split>_rows.npy`, `_labels.npy` and `_meta.jsonl` in content order (sha256, then label)."""
+    def _close_meta(self) -> tuple[list[dict[str, Any]], np.ndarray]:
+        """Compact the previous store's mostly dead meta segments (their live lines move to the new
+        one), seal the new segment and link each kept one into the store. Returns index.json's `meta`
+        list and each segment's new number (-1: dropped)."""
+        meta = self.meta
+        def live() -> np.ndarray:
+            return sum((np.bincount(np.frombuffer(rows.meta_segment, dtype=np.int32), minlength=len(meta.names))
+                        for rows in self.splits.values()), np.zeros(len(meta.names), dtype=np.int64))
+        counts = live()
+        dying = {n for n in range(len(meta.names)) if not meta.is_new(n) and counts[n] < COMPACT_BELOW * meta.lines[n]}
+        for rows in self.splits.values():
+            for i, number in enumerate(rows.meta_segment):
+                if number in dying:
+                    line, digest, code = meta.line_of(number, rows.meta_line[i])
+                    rows.meta_segment[i], rows.meta_line[i] = meta.append(line, digest, code, self._meta_name)
+        meta.seal()
+        counts = live()
+        listed = []
+        for number in np.flatnonzero(counts):
+            if not meta.is_new(number):
+                for path, rel in zip(meta.files[number], segment_files(meta.names[number])):
+                    (self.out_dir / rel).parent.mkdir(exist_ok=True)
+                    _link(path, self.out_dir / rel)
+            listed.append({"name": meta.names[number], "lines": meta.lines[number], "live": int(counts[number])})
+        return listed, np.cumsum(counts > 0) - 1
+
+    def _write_split(self, split: str, rows: _SplitRows, renumber: np.ndarray, meta_renumber: np.ndarray,
+                     num_classes: int) -> dict[str, Any]:
+        """`<split>_rows.npy`, `_labels.npy` and `_meta.npy` in content order (sha256, then label)."""
         digests = np.frombuffer(bytes(rows.digests), dtype="S32")
         labels = np.frombuffer(rows.label, dtype=np.int64)
         order = np.lexsort((labels, digests))
@@ -268,15 +317,9 @@ class StoreWriter:
                           np.frombuffer(rows.row, dtype=np.int32)], axis=1).astype(np.int32)
         np.save(self.out_dir / f"{split}_rows.npy", where[order].reshape(-1, 2))
         np.save(self.out_dir / f"{split}_labels.npy", labels[order])
-        keys = np.zeros(len(order), dtype=KEYS)
-        keys["sha256"], keys["stat"] = digests[order], np.frombuffer(rows.stat_keys, dtype=np.uint64)[order]
-        np.save(self.out_dir / f"{split}_keys.npy", keys)
-        offsets = np.frombuffer(rows.offsets, dtype=np.uint64)
-        with open(rows.meta_path, "rb") as src, open(self.out_dir / f"{split}_meta.jsonl", "wb") as out:
-            if offsets[-1]:
-                with mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ) as lines:
-                    out.writelines(lines[offsets[i] : offsets[i + 1]] for i in order)
-        rows.meta_path.unlink()
+        meta_at = np.stack([meta_renumber[np.frombuffer(rows.meta_segment, dtype=np.int32)],
+                            np.frombuffer(rows.meta_line, dtype=np.int32)], axis=1).astype(np.int32)
+        np.save(self.out_dir / f"{split}_meta.npy", meta_at[order].reshape(-1, 2))
         fingerprint = hashlib.sha256(digests[order].tobytes() + labels[order].tobytes()).hexdigest()
         return {"count": len(order), "class_counts": np.bincount(labels, minlength=num_classes).tolist(),
                 "fingerprint": fingerprint}

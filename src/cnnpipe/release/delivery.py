@@ -49,6 +49,7 @@ import torch
 from scipy.stats import betabinom
 
 from cnnpipe.data.held_out import read_cleared, store_mark, subset
+from cnnpipe.data.meta import in_folder, split_meta
 from cnnpipe.data.store import PreparedSplit, SPLITS, new_rows, open_split, read_index
 from cnnpipe.files import CHAMPION_FILE, write_json
 from cnnpipe.release.verdict import logit_batches
@@ -162,14 +163,9 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
 
 
 def _sources(prepared_dir: Path, split: str, rows: np.ndarray) -> list[dict[str, Any]]:
-    """Source path and sha256 of the given rows of `split` (`<split>_meta.jsonl`, one pass)."""
-    wanted, found = set(rows.tolist()), {}
-    with open(Path(prepared_dir) / f"{split}_meta.jsonl", encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            if i in wanted:
-                meta = json.loads(line)
-                found[i] = {"source": meta.get("source"), "sha256": meta.get("sha256")}
-    return [found[i] for i in rows.tolist()]
+    """Source path and sha256 of the given rows of `split` (their meta lines, `data.meta`)."""
+    return [{"source": meta.get("source"), "sha256": meta.get("sha256")}
+            for meta in split_meta(in_folder(prepared_dir), split, rows)]
 
 
 def _passes(about: dict[str, Any], cfg: DeliveryConfig, reason: str, new: int = 0) -> dict[str, Any]:
