@@ -34,6 +34,8 @@ def main() -> int:
               f"previous store's shards and {work['copied']} copied from it ({work['unchanged_not_read']} unchanged "
               f"files not read), {work['resumed']} kept from an interrupted run; {work['workers']} worker(s)")
     ledger = report["ledger"]
+    if ledger.get("started"):
+        print(f"prepare: {ledger['started']}")
     print(f"prepare: split ledger: {ledger['records_added']} record(s) added, {ledger['segments']} segment(s)"
           + (f"; splits redrawn ({ledger['reset']})" if ledger.get("reset") else ""))
     if ledger.get("rule_changed") and not ledger.get("reset"):

@@ -11,7 +11,8 @@ import pytest
 
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.release import promote as promote_mod
-from cnnpipe.release.production import ProductionUnknown, artifact_events, in_stage, resolve
+from cnnpipe.release.production import REGISTRY_RECORD, ProductionUnknown, artifact_events, in_stage, \
+    record_promotion, resolve
 
 ENV = {"GIT_AUTHOR_NAME": "Product Owner", "GIT_AUTHOR_EMAIL": "po@example.com",
        "GIT_COMMITTER_NAME": "Product Owner", "GIT_COMMITTER_EMAIL": "po@example.com"}
@@ -90,7 +91,10 @@ def test_a_tagless_clone_fetches_prod_and_one_that_cannot_reach_the_remote_refus
     clone, origin, (c1, _, _) = registry
     tag(clone, "m@v0.1.0", c1, 1_800_000_000)
     tag(clone, "m#prod#1", c1, 1_800_000_001)
-    git(clone, "push", "-q", "origin", "--tags")
+    record_promotion(clone, "m", "origin")  # as promote commits it: this project has a registry
+    git(clone, "add", REGISTRY_RECORD)
+    git(clone, "commit", "-q", "-m", "the registry record")
+    git(clone, "push", "-q", "origin", "main", "--tags")
     tagless = tmp_path / "ci"
     git(tmp_path, "clone", "-q", "--no-tags", str(origin), str(tagless))
     assert git(tagless, "tag", "-l") == "" and ours(tagless) is None  # what the old lookup saw: "no champion"
@@ -154,8 +158,9 @@ def test_promote_publishes_its_tags_and_a_second_run_has_nothing_to_do(promotabl
 
 def test_promote_finishes_a_run_stopped_half_way_and_reuses_heads_version(promotable):
     clone, origin, (_, _, c3) = promotable
-    promote_mod.promote(clone, CFG, BLESSED)  # v0.1.0 at c3
-    champion = {"version": "v0.1.0", "commit": c3}
+    promote_mod.promote(clone, CFG, BLESSED)  # v0.1.0 at the commit after c3 that records the registry
+    champion = {"version": "v0.1.0", "commit": git(clone, "rev-parse", "HEAD")}
+    assert git(clone, "rev-parse", "HEAD~1") == c3
     git(clone, "commit", "-q", "--allow-empty", "-m", "week 3")
     git(clone, "push", "-q", "origin", "main")
     gto.api.register(str(clone), "m", "HEAD", bump_minor=True)  # registered, then the run died

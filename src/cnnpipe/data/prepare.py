@@ -25,6 +25,7 @@ from cnnpipe.data.ingest import Ingested, ingest, recipe, usable_cores
 from cnnpipe.data.journal import Journal
 from cnnpipe.data.keys import HexDigests, digest_at
 from cnnpipe.data.ledger import RECORD, Ledger, records_from_store, write_ledger
+from cnnpipe.data.lineage import another_catalog, catalog_identity, missing_history, recorded_catalog
 from cnnpipe.data.previous import ENCODING_KEYS, FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
 from cnnpipe.data.report import leakage, listed, mark_new, split_changes, split_codes
 from cnnpipe.data.split import content_split
@@ -162,12 +163,11 @@ def _bad_files(listing: Listing, got: Ingested, cfg: DataConfig) -> list[dict[st
 
 
 def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | None, ledger: Ledger,
-                    work: Path) -> tuple[dict[str, Any], Assigned, list[str], list[str], bool]:
-    """Ingest an ImageFolder tree or a manifest into `out_dir`, keeping what `previous` already holds
+                    work: Path, listing: Listing) -> tuple[dict[str, Any], Assigned, list[str], list[str], bool]:
+    """Ingest an ImageFolder tree or a manifest (`listing`) into `out_dir`, keeping what `previous` already holds
     and resuming what an interrupted run left in `work`; splits as the ledger says (`sticky`). Broken
     files are skipped and listed (or fail the stage). Returns the report, the assignment, the classes
     and whether the splits were reset."""
-    listing = list_source(cfg.source, cfg.group_pattern)
     if listing.refused and cfg.on_bad_image == "fail":  # before any decoding
         _bad_files(listing, Ingested(np.zeros(0, "S32"), np.zeros(0, np.int64), {}), cfg)
     root = listing.root
@@ -237,32 +237,42 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
 
 
 # --------------------------------------------------------------------------- the split ledger
-def _refuse(found: Found, folder: Path, what: str) -> None:
-    raise DataError(
-        f"{found.recorded}: the {what} of an earlier prepare, but neither {folder} nor its DVC cache objects are "
-        f"here (a fresh clone, a new machine?). Drawn again without it, held-out photos could land in train. "
-        f"Fetch it first: `dvc pull {folder}` (the split ledger is small; the store is not needed), then rerun. "
-        "To draw every split again on purpose instead, set data.split_reset to a new name.")
+def _missing(cfg: DataConfig, found: Found, folder: Path, what: str, report: Path,
+             today: dict[str, Any]) -> str | None:
+    """A recorded `what` that cannot be read: the line saying a new ledger starts (it was another
+    catalog's, `lineage`), None for a reset named knowingly; refused otherwise, a leftover reset name too."""
+    recorded = recorded_catalog(folder, report)
+    why = another_catalog(recorded, today)
+    if why is not None:
+        return f"{why}: a new split ledger starts for this catalog"
+    resets = recorded.resets if recorded is not None else frozenset()
+    if cfg.split_reset is not None and cfg.split_reset not in resets:
+        return None
+    raise DataError(missing_history(found, folder, what, recorded.root if recorded else None,
+                                    cfg.split_reset if cfg.split_reset in resets else None))
 
 
-def open_ledger(cfg: DataConfig, ledger: Found, store: Found, folder: Path) -> tuple[Ledger, np.ndarray, list[str], list[str]]:
-    """The ledger prepare draws splits from, and the records to seed a new one with: the ledger on
-    disk or in the DVC cache; else, for a project whose store predates ledgers, what that store holds.
-    A history that exists (dvc.lock records it) but cannot be read is refused, never redrawn."""
+def open_ledger(cfg: DataConfig, ledger: Found, store: Found, folder: Path, report: Path,
+                today: dict[str, Any]) -> tuple[Ledger, np.ndarray, list[str], list[str], str | None]:
+    """The ledger prepare draws splits from, the records to seed a new one with, and the line that says a
+    new one starts: the ledger on disk or in the DVC cache; else, for a project whose store predates
+    ledgers, what that store holds. A history that exists (dvc.lock records it) but cannot be read is
+    refused, never redrawn, unless it was drawn for another catalog than `today`'s (`lineage`)."""
     empty = np.zeros(0, dtype=RECORD)
     if ledger.tree is not None:
-        return Ledger.read(ledger.tree), empty, [], []
-    if cfg.split_reset is not None:
-        return Ledger(), empty, [], []
+        return Ledger.read(ledger.tree), empty, [], [], None
     if ledger.recorded:
-        _refuse(ledger, folder, "split ledger")
+        return Ledger(), empty, [], [], _missing(cfg, ledger, folder, "split ledger", report, today)
+    if cfg.split_reset is not None:
+        return Ledger(), empty, [], [], None
     if store.tree is not None and store.tree.path("index.json") is not None:
         classes: list[str] = []
         records, paths = records_from_store(store.tree, classes)
-        return Ledger.from_records(records, classes), records, paths, classes
+        return Ledger.from_records(records, classes), records, paths, classes, None
     if store.recorded:
-        _refuse(store, folder, "prepared store (whose splits seed the split ledger)")
-    return Ledger(), empty, [], []
+        note = _missing(cfg, store, folder, "prepared store (whose splits seed the split ledger)", report, today)
+        return Ledger(), empty, [], [], note
+    return Ledger(), empty, [], [], None
 
 
 def _ledger_update(ledger: Ledger, records: np.ndarray, paths: list[str], reset: bool) -> tuple[np.ndarray, list[str]]:
@@ -292,25 +302,33 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
     store, ledger_found = find_previous(out_dir), find_previous(ledger_dir)
     rule = split_rule(seed, cfg.val_fraction, cfg.test_fraction)
     new_store.mkdir(parents=True)
+    started = None
     try:
         if cfg.source == "fashion-mnist":
             report = prepare_fashion_mnist(cfg, seed, new_store)
             ledger, classes, reset = Ledger.read(ledger_found.tree), list(report["classes"]), False
+            identity = catalog_identity("fashion-mnist", "fashion-mnist", None)
             seed_records, seed_paths = np.zeros(0, dtype=RECORD), []
             records, paths = records_from_store(Tree(new_store), classes, given=frozenset({"test"}))
         else:
-            ledger, seed_records, seed_paths, classes = open_ledger(cfg, ledger_found, store, ledger_dir)
-            report, assigned, paths, current, reset = prepare_catalog(cfg, seed, new_store, store.tree, ledger, work)
+            listing = list_source(cfg.source, cfg.group_pattern)  # file stats only: no photo is read
+            identity = catalog_identity(listing.kind, str(cfg.source), listing.entries.paths)
+            ledger, seed_records, seed_paths, classes, started = open_ledger(cfg, ledger_found, store, ledger_dir,
+                                                                             report_path, identity)
+            report, assigned, paths, current, reset = prepare_catalog(cfg, seed, new_store, store.tree, ledger, work,
+                                                                      listing)
             records = assigned.records.copy()
             remap = np.array([classes.index(c) if c in classes else classes.append(c) or len(classes) - 1
                               for c in current], dtype=np.uint32)
             records["label"] = remap[records["label"]] if len(records) else records["label"]
             (new_store / SPLIT_RULE_FILE).write_text(json.dumps(rule))
         fresh, fresh_paths = _ledger_update(ledger, records, paths, reset)
-        header = {"rule": rule, "reset": cfg.split_reset if reset else None, "source": str(cfg.source)}
+        header = {"rule": rule, "reset": cfg.split_reset if reset else None, "source": str(cfg.source),
+                  "catalog": identity}
         done = write_ledger(new_ledger, ledger_found.tree, np.concatenate([seed_records, fresh]),
                             seed_paths + fresh_paths, classes, header)
-        report["ledger"] = {**report.get("ledger", {}), **done, "reset": header["reset"],
+        report["ledger"] = {**report.get("ledger", {}), **done, "reset": header["reset"], "started": started,
+                            "resets": ledger.resets + ([header["reset"]] if reset else []), "catalog": identity,
                             "rule_changed": ledger.rule is not None and ledger.rule != rule,
                             "read_from": ledger_found.tree.origin if ledger_found.tree else None}
     except BaseException:

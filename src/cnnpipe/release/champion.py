@@ -1,10 +1,11 @@
 """The champion: the model assigned to a GTO stage (`release.stage`, prod), fetched at its commit.
 
-Which version that is comes from `production.resolve`: the git remote's tags first (fetched when
+Which version that is comes from `production.lookup`: the git remote's tags first (fetched when
 this clone lacks them, refused when they disagree), then GTO's rules, so a rollback pushed from
 another clone is what the next run fetches, and a clone without tags never mistakes itself for a
-first week. The model's bytes come from DVC at the tagged commit (`dvc.api.open`: the local cache,
-else the DVC remote), so the champion is exactly what was promoted, whatever the workspace holds.
+first week; a commit that records no promotion (`registry.json`) needs no reachable remote. The
+model's bytes come from DVC at the tagged commit (`dvc.api.open`: the local cache, else the DVC
+remote), so the champion is exactly what was promoted, whatever the workspace holds.
 The output is rewritten only when its content changes: the stage reruns every time, and nothing
 downstream does unless the champion (or the hand-over below) changed.
 
@@ -24,7 +25,7 @@ import yaml
 
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.files import CHAMPION_FILE, file_sha256, write_json
-from cnnpipe.release.production import resolve
+from cnnpipe.release.production import lookup
 
 MODEL = "best.pt"
 
@@ -59,14 +60,15 @@ def download(repo: str, path: str, commit: str, out: Path) -> str:
 def fetch_champion(repo: Path, cfg: ReleaseConfig, out: Path) -> dict[str, Any]:
     """Write the champion's best.pt and champion.json to `out`, or champion.json saying there is none.
     Raises production.ProductionUnknown when what is in production cannot be told for sure."""
-    found = resolve(repo, cfg.artifact, cfg.stage, cfg.remote)
+    found, told = lookup(repo, cfg.artifact, cfg.stage, cfg.remote)
     handover = {"renamed": dict(cfg.renamed), "across_recipes": cfg.warm_start_across_recipes}
     out.mkdir(parents=True, exist_ok=True)
     if found is None:
         (out / MODEL).unlink(missing_ok=True)
         about: dict[str, Any] = {"artifact": cfg.artifact, "stage": cfg.stage, "version": None,
-                                 "reason": f"no version of {cfg.artifact!r} is in {cfg.stage!r}, here or on the remote: "
-                                           "the gate judges on the floors alone and training starts as `pretrained`",
+                                 "reason": f"no version of {cfg.artifact!r} is in {cfg.stage!r}, "
+                                           f"{told or 'here or on the remote'}: the gate judges on the floors "
+                                           "alone and training starts as `pretrained`",
                                  "warm_start": handover}
         _write_if_changed(out / CHAMPION_FILE, about)
         return about

@@ -13,18 +13,38 @@ can serve another version than GTO says; the champion stage, promote's checks an
 command (`python -m cnnpipe.release.fetch`) all use `in_stage` instead, on tags `sync_tags` has just
 compared with the remote's: a clone without tags, or with stale ones, either fetches what it lacks
 or refuses with the fix, never "no champion".
+
+A project that has never promoted anything needs no remote: promote commits `REGISTRY_RECORD`
+(`registry.json`) into the commit it registers, the first time and whenever a branch lacks it, so a
+commit that holds the record (or a clone with the artifact's tags) requires the remote, fail-closed
+as above; one that holds neither is "never promoted" and asks the remote only where it answers (a
+promotion made by hand with `gto`): an unreachable `origin` (an archive, a mirror, an offline cluster)
+is then "no champion", said so in champion.json.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
+REGISTRY_RECORD = "registry.json"
+"""Committed by promote: the artifacts this project has promoted, so a clone that cannot see the
+registry (no tags, no reachable remote) knows it has one and refuses instead of saying "none"."""
+UNRECORDED_TIMEOUT_S = 30
+"""How long the lookup waits for the git remote when nothing records a promotion (a firewall that
+drops packets would otherwise hold `git ls-remote` for minutes, for an answer that is not needed)."""
+
+
 class ProductionUnknown(RuntimeError):
     """What is in production cannot be told for sure; the message says why and what to do."""
+
+
+class RemoteUnreachable(ProductionUnknown):
+    """The git remote's tags could not be read."""
 
 
 @dataclass(frozen=True)
@@ -118,11 +138,16 @@ def local_tags(repo: Path, artifact: str) -> dict[str, str]:
     return {name: obj for name, obj in pairs if _gto_tag(name, artifact)}
 
 
-def remote_tags(repo: Path, remote: str, artifact: str) -> dict[str, str]:
-    """The artifact's GTO tags on `remote`: name -> tag object id. Raises when it cannot be reached."""
-    proc = git(repo, "ls-remote", "--tags", remote, check=False)
+def remote_tags(repo: Path, remote: str, artifact: str, timeout: float | None = None) -> dict[str, str]:
+    """The artifact's GTO tags on `remote`: name -> tag object id. Raises RemoteUnreachable when it
+    cannot be reached (within `timeout` seconds, when given)."""
+    try:
+        proc = subprocess.run(["git", "-C", str(repo), "ls-remote", "--tags", remote], capture_output=True,
+                              text=True, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc = subprocess.CompletedProcess([], 1, "", f"no answer in {timeout:.0f} s")
     if proc.returncode != 0:
-        raise ProductionUnknown(f"cannot read the tags of git remote {remote!r} ({proc.stderr.strip()}): what is in "
+        raise RemoteUnreachable(f"cannot read the tags of git remote {remote!r} ({proc.stderr.strip()}): what is in "
                                 "production cannot be told. Fix the network or the remote, or set release.remote: null "
                                 "to trust this clone's tags on purpose")
     tags = {}
@@ -134,11 +159,11 @@ def remote_tags(repo: Path, remote: str, artifact: str) -> dict[str, str]:
     return tags
 
 
-def sync_tags(repo: Path, remote: str, artifact: str) -> list[str]:
+def sync_tags(repo: Path, remote: str, artifact: str, timeout: float | None = None) -> list[str]:
     """Make this clone's tags of `artifact` the remote's: fetch those it lacks, refuse (ProductionUnknown,
     with the fix) when a tag differs on the two sides. Returns the local tags the remote does not have
     (unpublished), for the caller to judge."""
-    theirs = remote_tags(repo, remote, artifact)
+    theirs = remote_tags(repo, remote, artifact, timeout)
     ours = local_tags(repo, artifact)
     differ = sorted(name for name in theirs.keys() & ours.keys() if theirs[name] != ours[name])
     if differ:
@@ -160,15 +185,75 @@ def unpublished_error(remote: str, tags: list[str]) -> ProductionUnknown:
                              f"publishes its own) or delete them (`git tag -d {' '.join(tags)}`)")
 
 
-def resolve(repo: Path, artifact: str, stage: str, remote: str | None) -> dict[str, Any] | None:
-    """What is in `stage` now: the remote's tags first (fetched, compared: refused on any disagreement),
-    then `in_stage`. None only when neither this clone nor the remote has a version in the stage."""
+def read_record(text: str, where: str) -> dict[str, Any]:
+    """A registry record's JSON (`where`: its name in errors); ProductionUnknown when it is not one."""
+    try:
+        record = json.loads(text)
+        if not isinstance(record.get("artifacts"), dict):
+            raise ValueError("no `artifacts` mapping")
+        return record
+    except ValueError as exc:
+        raise ProductionUnknown(f"{where}: not a registry record ({exc}); restore it from git "
+                                f"(`git checkout -- {REGISTRY_RECORD}`)") from exc
+
+
+def promotion_recorded(repo: Path, artifact: str) -> bool:
+    """Whether this commit (HEAD's tree) or the working tree records a promotion of `artifact` in
+    `REGISTRY_RECORD`. A record that cannot be read is an error, never "not recorded"."""
+    texts = []
+    if (repo / ".git").exists():
+        shown = git(repo, "show", f"HEAD:{REGISTRY_RECORD}", check=False)
+        if shown.returncode == 0:
+            texts.append((shown.stdout, f"{REGISTRY_RECORD} at HEAD"))
+    if (repo / REGISTRY_RECORD).is_file():
+        texts.append(((repo / REGISTRY_RECORD).read_text(encoding="utf-8"), str(repo / REGISTRY_RECORD)))
+    records = [read_record(text, where) for text, where in texts]  # each read: a broken one is an error
+    return any(artifact in record["artifacts"] for record in records)
+
+
+def lookup(repo: Path, artifact: str, stage: str, remote: str | None) -> tuple[dict[str, Any] | None, str]:
+    """`resolve`, and how a missing version was told: "" when both this clone and the remote were
+    asked, else why the remote was not needed."""
+    recorded = promotion_recorded(repo, artifact)
     if not (repo / ".git").exists():
-        return None
+        if recorded:
+            raise ProductionUnknown(f"{REGISTRY_RECORD} records a promotion of {artifact!r}, but {repo} is no git "
+                                    "repository, so its registry (GTO tags) cannot be read: work in a `git clone`")
+        return None, f"{repo} is no git repository and records no promotion"
     where = remote_of(repo, remote)
     if where is not None:
-        extra = sync_tags(repo, where, artifact)
+        required = recorded or bool(local_tags(repo, artifact))
+        try:
+            extra = sync_tags(repo, where, artifact, None if required else UNRECORDED_TIMEOUT_S)
+        except RemoteUnreachable as exc:
+            if required:
+                raise
+            return None, (f"this commit records no promotion ({REGISTRY_RECORD}) and this clone has no tags of "
+                          f"{artifact!r}: never promoted, so git remote {where!r}, which could not be read, is not "
+                          f"needed ({str(exc).split(': what is')[0]})")
         if extra:
             raise unpublished_error(where, extra)
     found = in_stage(artifact_events(repo, artifact), artifact, stage)
-    return None if found is None else {**found, "remote": where}
+    return (None, "") if found is None else ({**found, "remote": where}, "")
+
+
+def resolve(repo: Path, artifact: str, stage: str, remote: str | None) -> dict[str, Any] | None:
+    """What is in `stage` now: the remote's tags first (fetched, compared: refused on any disagreement),
+    then `in_stage`. None only when neither this clone nor the remote has a version in the stage, or
+    when nothing records a promotion and the remote cannot be read (`lookup` says which)."""
+    return lookup(repo, artifact, stage, remote)[0]
+
+
+def record_promotion(repo: Path, artifact: str, remote: str | None) -> bool:
+    """Add `artifact` to `REGISTRY_RECORD` in the working tree (created when missing); returns whether
+    the file changed. Promote commits it before registering, so the promoted commit holds it."""
+    path = repo / REGISTRY_RECORD
+    record = read_record(path.read_text(encoding="utf-8"), str(path)) if path.is_file() else {
+        "about": "Written by `python -m cnnpipe.promote`: this project has a model registry (GTO tags on the git "
+                 "remote), so the champion stage requires that remote. Keep it committed (docs/weekly-loop.md).",
+        "artifacts": {}}
+    if artifact in record["artifacts"]:
+        return False
+    record["artifacts"][artifact] = {"remote": remote}
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return True

@@ -7,7 +7,10 @@ dvc.lock, the model is not in the DVC remote, the commit is not on the git remot
 tags disagree with the remote's. Otherwise it registers the commit as the next version (`name@v0.1.0`
 first, then `--bump-minor`; a version HEAD already has is reused), assigns it to the stage
 (`name#prod#N`), both annotated tags carrying the gate's summary, and pushes both to the git
-remote (`release.remote`). A run stopped half-way (registered but not assigned, or tagged but not
+remote (`release.remote`). The first time (and on any branch that lacks it) it first commits
+`registry.json` recording the artifact and pushes that commit, which it then registers: a commit
+that holds the record requires the git remote to tell the champion; one without it, in a clone
+without tags, has never promoted anything and needs no remote (`production.lookup`). A run stopped half-way (registered but not assigned, or tagged but not
 pushed) is finished by running it again. `gto show` lists the history; a rollback is `gto assign NAME
 --stage prod --version vX.Y.Z --force` and a push of its tag, which the champion stage follows.
 """
@@ -24,10 +27,12 @@ from typing import Any
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.params import ParamsError, load_params, release_config
 from cnnpipe.release.production import (
+    REGISTRY_RECORD,
     ProductionUnknown,
     artifact_events,
     git,
     in_stage,
+    record_promotion,
     remote_of,
     sync_tags,
     unpublished_error,
@@ -92,6 +97,21 @@ def check_same_champion(now: dict[str, Any] | None, cfg: ReleaseConfig, verdict:
                       f"{(now or {}).get('version') or 'nothing'}: rerun `dvc repro gate` and commit")
 
 
+def commit_record(repo: Path, artifact: str, remote: str | None) -> str | None:
+    """Commit `REGISTRY_RECORD` with `artifact` in it unless HEAD already holds it, and push the commit
+    to `remote`; returns the new HEAD, or None when nothing was needed."""
+    shown = git(repo, "show", f"HEAD:{REGISTRY_RECORD}", check=False)
+    if shown.returncode == 0 and artifact in (json.loads(shown.stdout or "{}").get("artifacts") or {}):
+        return None
+    record_promotion(repo, artifact, remote)
+    git(repo, "add", REGISTRY_RECORD)
+    git(repo, "commit", "--quiet", "-m", f"Record {artifact!r} in {REGISTRY_RECORD}: its promotions need the git "
+        "remote from this commit on", "--", REGISTRY_RECORD)
+    if remote is not None:
+        git(repo, "push", "--quiet", remote, "HEAD")
+    return git(repo, "rev-parse", "HEAD").stdout.strip()
+
+
 def publish(repo: Path, remote: str | None, tags: list[str]) -> None:
     """Push `tags` to `remote`. When the remote already has a tag of that name (another promote got there
     first), this clone's copies are deleted and the run refused: running it again numbers after theirs."""
@@ -137,6 +157,8 @@ def promote(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any], override: s
             return now["version"], [now["tag"]], False
         check_same_champion(now, cfg, verdict)
         check_ready(repo, model_stage, repo / gate, remote)
+        if not ours and not any(e.action == "register" and e.commit == head for e in events):
+            head = commit_record(repo, cfg.artifact, remote) or head  # the version's commit holds the record
     except ProductionUnknown as exc:
         raise Refused(str(exc)) from exc
     message = summary(verdict)

@@ -1,0 +1,160 @@
+"""Which catalog a split ledger belongs to, and what to do when `dvc.lock` records one that is not here.
+
+A ledger protects one catalog's held-out photos. A fresh clone lacks the ledger that `dvc.lock`
+records (no DVC cache; often no DVC remote either): for that same catalog, drawing splits again
+could put test photos in train, so prepare refuses; for another catalog (the clone's own photos
+where the lock recorded the Fashion-MNIST demo) the recorded ledger says nothing about any photo,
+so prepare starts a new one and says so.
+
+"The same catalog" cannot mean the same bytes: a product catalog changes every week. It is told from
+what is known without reading a photo: the source the lock recorded (`data.source`), and, where the
+previous data report (git-tracked, checked against the md5 `dvc.lock` records for it) holds the
+ledger's catalog identity, a bottom-k sketch of its files' path keys, so a catalog moved to a new
+folder is still the same catalog (a few hundred keys whatever its size; listing the folder is all it
+costs today). What cannot be told is treated as the same catalog: refused, never redrawn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from cnnpipe.data.keys import path_keys
+from cnnpipe.data.previous import Found, dvc_root
+
+SKETCH_SIZE = 256
+"""Path keys kept in a catalog's sketch: the smallest ones (a bottom-k sample, the same files whatever
+order they were listed in); 2 KB in the ledger's header and the data report."""
+SAME_CATALOG_OVERLAP = 0.05
+"""A catalog sharing at least this fraction of the smaller one's paths with the recorded one is the
+same catalog (moved, grown, pruned): its ledger is required."""
+
+
+def catalog_identity(kind: str, source: str, paths: list[str] | None) -> dict[str, Any]:
+    """What a ledger records of the catalog it was drawn for: its kind and source, and for image files
+    the number of files and a bottom-k sketch of their path keys (hex)."""
+    identity: dict[str, Any] = {"kind": kind, "source": source}
+    if paths is not None:
+        keys = np.unique(path_keys(paths))[:SKETCH_SIZE]
+        identity.update(files=len(paths), sketch=[f"{int(k):016x}" for k in keys])
+    return identity
+
+
+def path_overlap(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """Estimated share of the smaller catalog's paths that the other also has, from two sketches
+    (the bottom-k estimate of the Jaccard index, scaled by the catalogs' sizes); None without both."""
+    if not a.get("sketch") or not b.get("sketch") or not a.get("files") or not b.get("files"):
+        return None
+    sa, sb = {int(k, 16) for k in a["sketch"]}, {int(k, 16) for k in b["sketch"]}
+    union = sorted(sa | sb)[:SKETCH_SIZE]
+    jaccard = sum(1 for k in union if k in sa and k in sb) / len(union)
+    both = jaccard * (a["files"] + b["files"]) / (1 + jaccard)  # |A∩B| from J = |A∩B| / |A∪B|
+    return both / min(a["files"], b["files"])
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the project records of the last prepare, without its outputs: the catalog identity (None:
+    not recorded), the reset names, and the project's root."""
+
+    identity: dict[str, Any] | None
+    resets: frozenset[str]
+    root: Path
+
+
+def _lock_stage(root: Path, out_rel: str) -> dict[str, Any]:
+    """The `dvc.lock` entry of the stage that writes `out_rel` ({} when none)."""
+    lock = root / "dvc.lock"
+    stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages", {}) if lock.exists() else {}
+    for stage in stages.values():
+        if any(out.get("path") == out_rel for out in stage.get("outs", [])):
+            return stage
+    return {}
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def recorded_catalog(folder: Path, report: Path) -> Recorded | None:
+    """What `dvc.lock` recorded for the prepare that wrote `folder` (its `data.source`, its
+    `data.split_reset`) and what that run's data report `report` says of the ledger (its catalog
+    identity, every reset name), the report used only when its md5 is the one the lock records."""
+    root = dvc_root(folder)
+    if root is None:
+        return None
+    rel = Path(os.path.relpath(os.path.abspath(folder), root)).as_posix()
+    stage = _lock_stage(root, rel)
+    params = {k: v for values in (stage.get("params") or {}).values() for k, v in (values or {}).items()}
+    resets = {params["data.split_reset"]} if params.get("data.split_reset") else set()
+    identity = {"kind": _kind(str(params["data.source"])), "source": str(params["data.source"])} \
+        if params.get("data.source") else None
+    report_rel = Path(os.path.relpath(os.path.abspath(report), root)).as_posix()
+    locked = next((out for out in stage.get("outs", []) if out.get("path") == report_rel), None)
+    if locked and Path(report).is_file() and locked.get("md5") == _md5(Path(report)):
+        ledger = (json.loads(Path(report).read_text(encoding="utf-8")) or {}).get("ledger") or {}
+        resets |= set(ledger.get("resets") or [])
+        if ledger.get("catalog") and (identity is None or ledger["catalog"].get("source") == identity["source"]):
+            identity = ledger["catalog"]
+    return Recorded(identity, frozenset(resets), root)
+
+
+def _kind(source: str) -> str:
+    """The kind of source a `data.source` value names, from the value alone."""
+    if source == "fashion-mnist":
+        return "fashion-mnist"
+    return "manifest" if Path(source).suffix.lower() in (".csv", ".tsv") else "imagefolder"
+
+
+def another_catalog(recorded: Recorded | None, today: dict[str, Any]) -> str | None:
+    """Why the recorded ledger belongs to another catalog than `today`'s (one line), or None when it
+    is the same catalog or that cannot be told (then its ledger is required)."""
+    if recorded is None or recorded.identity is None:
+        return None
+    was = recorded.identity
+    if was.get("kind") == today["kind"] and was.get("source") == today["source"]:
+        return None
+    overlap = path_overlap(was, today)
+    if overlap is not None and overlap >= SAME_CATALOG_OVERLAP:
+        return None  # the same files under another name: moved, not replaced
+    shared = "" if overlap is None else f", ~{overlap:.0%} of its file paths shared"
+    return f"the recorded split ledger was drawn for {was['kind']} {was['source']!r}, not {today['source']!r}{shared}"
+
+
+def dvc_remotes(root: Path) -> tuple[list[str], str | None]:
+    """The DVC remotes configured for the project (repo, local, global and system config) and the default."""
+    from dvc.config import Config
+
+    config = Config(dvc_dir=str(root / ".dvc"), validate=False)
+    return sorted(config.get("remote", {})), config.get("core", {}).get("remote")
+
+
+def missing_history(found: Found, folder: Path, what: str, root: Path | None, leftover: str | None) -> str:
+    """The refusal for a recorded `what` (the split ledger, a store) that cannot be read here, with advice
+    that works where the user is: a DVC remote to add first when none is configured."""
+    remotes, default = dvc_remotes(root) if root is not None else ([], None)
+    if not remotes:
+        fetch = ("No DVC remote is configured here, so `dvc pull` has nowhere to fetch it from: add the one that "
+                 f"holds it (`dvc remote add -d storage URL`), then `dvc pull {folder}`")
+    elif default is None:
+        fetch = f"Fetch it first: `dvc pull -r {remotes[0]} {folder}` (no default remote is set; configured: " \
+                f"{', '.join(remotes)})"
+    else:
+        fetch = f"Fetch it first: `dvc pull {folder}` (from DVC remote {default!r}; the store is not needed)"
+    again = (f"data.split_reset={leftover!r} is the name of a redraw already recorded, not a new one: "
+             if leftover else "")
+    return (f"{found.recorded}: the {what} of an earlier prepare of this catalog, but neither {folder} nor its DVC "
+            "cache objects are here (a fresh clone, a new machine?). Drawn again without it, held-out photos could "
+            f"land in train. {fetch}, then rerun. {again}To draw every split again knowingly instead, set "
+            "data.split_reset to a name not used before (`-S data.split_reset=NAME`).")
