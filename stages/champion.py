@@ -37,7 +37,8 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if about["version"] is None:
-        print(f"champion: {about['reason']}")
+        print(f"champion: {about['reason']}" if not about.get("told") else
+              f"champion: no version of {about['artifact']!r} is in {about['stage']!r}, {about['told']}")
     else:
         print(f"champion: {about['artifact']} {about['version']} in {about['stage']} "
               f"(commit {about['commit'][:12]}, {about['tag']})")

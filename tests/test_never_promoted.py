@@ -44,8 +44,13 @@ def test_a_project_never_promoted_needs_no_reachable_origin(tmp_path, origin):
     found, told = lookup(repo, "m", "prod", "origin")
     assert found is None and "never promoted" in told and "'origin'" in told
     about = fetch_champion(repo, CFG, tmp_path / "champion")
-    assert about["version"] is None and "never promoted" in about["reason"]
-    assert json.loads((tmp_path / "champion" / "champion.json").read_text())["version"] is None
+    assert about["version"] is None and "never promoted" in about["told"]
+    written = json.loads((tmp_path / "champion" / "champion.json").read_text())
+    reachable = _repo(tmp_path / "online", str(tmp_path / "nothing-promoted.git"))
+    subprocess.run(["git", "init", "-q", "--bare", str(tmp_path / "nothing-promoted.git")], check=True)
+    assert fetch_champion(reachable, CFG, tmp_path / "online-champion")["told"] == ""
+    # Offline or online, the same champion.json: nothing downstream reruns when the network comes and goes.
+    assert json.loads((tmp_path / "online-champion" / "champion.json").read_text()) == written
 
 
 def test_a_recorded_promotion_or_local_tags_still_require_origin(tmp_path):

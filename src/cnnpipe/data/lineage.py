@@ -26,24 +26,24 @@ from typing import Any
 import numpy as np
 import yaml
 
-from cnnpipe.data.keys import path_keys
 from cnnpipe.data.previous import Found, dvc_root
 
 SKETCH_SIZE = 256
 """Path keys kept in a catalog's sketch: the smallest ones (a bottom-k sample, the same files whatever
-order they were listed in); 2 KB in the ledger's header and the data report."""
+order they were listed in); about 5 KB of JSON in the ledger's header and the data report."""
 SAME_CATALOG_OVERLAP = 0.05
 """A catalog sharing at least this fraction of the smaller one's paths with the recorded one is the
 same catalog (moved, grown, pruned): its ledger is required."""
 
 
-def catalog_identity(kind: str, source: str, paths: list[str] | None) -> dict[str, Any]:
+def catalog_identity(kind: str, source: str, keys: np.ndarray | None) -> dict[str, Any]:
     """What a ledger records of the catalog it was drawn for: its kind and source, and for image files
-    the number of files and a bottom-k sketch of their path keys (hex)."""
+    the number of files and a bottom-k sketch of their path keys (`keys.path_key`, as hex)."""
     identity: dict[str, Any] = {"kind": kind, "source": source}
-    if paths is not None:
-        keys = np.unique(path_keys(paths))[:SKETCH_SIZE]
-        identity.update(files=len(paths), sketch=[f"{int(k):016x}" for k in keys])
+    if keys is not None:
+        keys = np.asarray(keys, dtype=np.uint64)  # one per file: a listing names each path once
+        smallest = np.unique(np.partition(keys, SKETCH_SIZE - 1)[:SKETCH_SIZE] if len(keys) > SKETCH_SIZE else keys)
+        identity.update(files=len(keys), sketch=[f"{int(k):016x}" for k in smallest])
     return identity
 
 
@@ -117,19 +117,30 @@ def _kind(source: str) -> str:
     return "manifest" if Path(source).suffix.lower() in (".csv", ".tsv") else "imagefolder"
 
 
+def _same_source(a: str, b: str, root: Path) -> bool:
+    """Whether two `data.source` values name one source: the same words, or the same path once
+    normalised against the project (`./data/raw/x/` and an absolute path to it are one folder)."""
+    if a == b:
+        return True
+    if "fashion-mnist" in (a, b):
+        return False
+    return os.path.realpath(root / os.path.expanduser(a)) == os.path.realpath(root / os.path.expanduser(b))
+
+
 def another_catalog(recorded: Recorded | None, today: dict[str, Any]) -> str | None:
     """Why the recorded ledger belongs to another catalog than `today`'s (one line), or None when it
     is the same catalog or that cannot be told (then its ledger is required)."""
     if recorded is None or recorded.identity is None:
         return None
     was = recorded.identity
-    if was.get("kind") == today["kind"] and was.get("source") == today["source"]:
+    if _same_source(str(was.get("source")), today["source"], recorded.root):
         return None
     overlap = path_overlap(was, today)
     if overlap is not None and overlap >= SAME_CATALOG_OVERLAP:
         return None  # the same files under another name: moved, not replaced
     shared = "" if overlap is None else f", ~{overlap:.0%} of its file paths shared"
-    return f"the recorded split ledger was drawn for {was['kind']} {was['source']!r}, not {today['source']!r}{shared}"
+    drawn_for = was["source"] if was.get("kind") == was["source"] else f"{was.get('kind')} {was['source']!r}"
+    return f"the recorded split ledger was drawn for {drawn_for}, not {today['source']!r}{shared}"
 
 
 def dvc_remotes(root: Path) -> tuple[list[str], str | None]:

@@ -13,7 +13,7 @@ import json
 import shutil
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from tqdm import tqdm
@@ -23,7 +23,7 @@ from cnnpipe.data import codec, idx
 from cnnpipe.data.catalog import DataError, Listing, list_source
 from cnnpipe.data.ingest import Ingested, ingest, recipe, usable_cores
 from cnnpipe.data.journal import Journal
-from cnnpipe.data.keys import HexDigests, digest_at
+from cnnpipe.data.keys import HexDigests, digest_at, path_keys
 from cnnpipe.data.ledger import RECORD, Ledger, records_from_store, write_ledger
 from cnnpipe.data.lineage import another_catalog, catalog_identity, missing_history, recorded_catalog
 from cnnpipe.data.previous import ENCODING_KEYS, FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
@@ -238,11 +238,11 @@ def prepare_catalog(cfg: DataConfig, seed: int, out_dir: Path, previous: Tree | 
 
 # --------------------------------------------------------------------------- the split ledger
 def _missing(cfg: DataConfig, found: Found, folder: Path, what: str, report: Path,
-             today: dict[str, Any]) -> str | None:
+             today: Callable[[], dict[str, Any]]) -> str | None:
     """A recorded `what` that cannot be read: the line saying a new ledger starts (it was another
     catalog's, `lineage`), None for a reset named knowingly; refused otherwise, a leftover reset name too."""
     recorded = recorded_catalog(folder, report)
-    why = another_catalog(recorded, today)
+    why = another_catalog(recorded, today())
     if why is not None:
         return f"{why}: a new split ledger starts for this catalog"
     resets = recorded.resets if recorded is not None else frozenset()
@@ -253,11 +253,12 @@ def _missing(cfg: DataConfig, found: Found, folder: Path, what: str, report: Pat
 
 
 def open_ledger(cfg: DataConfig, ledger: Found, store: Found, folder: Path, report: Path,
-                today: dict[str, Any]) -> tuple[Ledger, np.ndarray, list[str], list[str], str | None]:
+                today: Callable[[], dict[str, Any]]) -> tuple[Ledger, np.ndarray, list[str], list[str], str | None]:
     """The ledger prepare draws splits from, the records to seed a new one with, and the line that says a
     new one starts: the ledger on disk or in the DVC cache; else, for a project whose store predates
     ledgers, what that store holds. A history that exists (dvc.lock records it) but cannot be read is
-    refused, never redrawn, unless it was drawn for another catalog than `today`'s (`lineage`)."""
+    refused, never redrawn, unless it was drawn for another catalog than `today()`'s (`lineage`: asked
+    only then, as it hashes every listed path)."""
     empty = np.zeros(0, dtype=RECORD)
     if ledger.tree is not None:
         return Ledger.read(ledger.tree), empty, [], [], None
@@ -312,12 +313,13 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
             records, paths = records_from_store(Tree(new_store), classes, given=frozenset({"test"}))
         else:
             listing = list_source(cfg.source, cfg.group_pattern)  # file stats only: no photo is read
-            identity = catalog_identity(listing.kind, str(cfg.source), listing.entries.paths)
-            ledger, seed_records, seed_paths, classes, started = open_ledger(cfg, ledger_found, store, ledger_dir,
-                                                                             report_path, identity)
+            today = partial(catalog_identity, listing.kind, str(cfg.source))  # of path keys
+            ledger, seed_records, seed_paths, classes, started = open_ledger(
+                cfg, ledger_found, store, ledger_dir, report_path, lambda: today(path_keys(listing.entries.paths)))
             report, assigned, paths, current, reset = prepare_catalog(cfg, seed, new_store, store.tree, ledger, work,
                                                                       listing)
             records = assigned.records.copy()
+            identity = today(records["path"])  # the keys sticky computed: the placed images' paths
             remap = np.array([classes.index(c) if c in classes else classes.append(c) or len(classes) - 1
                               for c in current], dtype=np.uint32)
             records["label"] = remap[records["label"]] if len(records) else records["label"]

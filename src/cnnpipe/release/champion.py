@@ -58,7 +58,8 @@ def download(repo: str, path: str, commit: str, out: Path) -> str:
 
 
 def fetch_champion(repo: Path, cfg: ReleaseConfig, out: Path) -> dict[str, Any]:
-    """Write the champion's best.pt and champion.json to `out`, or champion.json saying there is none.
+    """Write the champion's best.pt and champion.json to `out`, or champion.json saying there is none
+    (the returned dict then says, under `told`, when the remote was not needed, "" otherwise).
     Raises production.ProductionUnknown when what is in production cannot be told for sure."""
     found, told = lookup(repo, cfg.artifact, cfg.stage, cfg.remote)
     handover = {"renamed": dict(cfg.renamed), "across_recipes": cfg.warm_start_across_recipes}
@@ -66,12 +67,11 @@ def fetch_champion(repo: Path, cfg: ReleaseConfig, out: Path) -> dict[str, Any]:
     if found is None:
         (out / MODEL).unlink(missing_ok=True)
         about: dict[str, Any] = {"artifact": cfg.artifact, "stage": cfg.stage, "version": None,
-                                 "reason": f"no version of {cfg.artifact!r} is in {cfg.stage!r}, "
-                                           f"{told or 'here or on the remote'}: the gate judges on the floors "
-                                           "alone and training starts as `pretrained`",
+                                 "reason": f"no version of {cfg.artifact!r} is in {cfg.stage!r}, here or on the remote: "
+                                           "the gate judges on the floors alone and training starts as `pretrained`",
                                  "warm_start": handover}
-        _write_if_changed(out / CHAMPION_FILE, about)
-        return about
+        _write_if_changed(out / CHAMPION_FILE, about)  # the same whether or not the remote answered today:
+        return {**about, "told": told}  # a laptop going offline retrains nothing
     path = artifact_path(repo, cfg.artifact)
     digest = download(str(repo), path, found["commit"], out / MODEL)
     about = {**found, "path": path, "sha256": digest, "warm_start": handover}

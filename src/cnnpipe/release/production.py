@@ -228,9 +228,9 @@ def lookup(repo: Path, artifact: str, stage: str, remote: str | None) -> tuple[d
         except RemoteUnreachable as exc:
             if required:
                 raise
-            return None, (f"this commit records no promotion ({REGISTRY_RECORD}) and this clone has no tags of "
-                          f"{artifact!r}: never promoted, so git remote {where!r}, which could not be read, is not "
-                          f"needed ({str(exc).split(': what is')[0]})")
+            return None, (f"never promoted: this commit records no promotion ({REGISTRY_RECORD}) and this clone has "
+                          f"no tags of {artifact!r}, so the git remote is not needed; "
+                          f"{str(exc).split(': what is')[0]}")
         if extra:
             raise unpublished_error(where, extra)
     found = in_stage(artifact_events(repo, artifact), artifact, stage)

@@ -32,6 +32,7 @@ from cnnpipe.release.production import (
     artifact_events,
     git,
     in_stage,
+    read_record,
     record_promotion,
     remote_of,
     sync_tags,
@@ -101,7 +102,7 @@ def commit_record(repo: Path, artifact: str, remote: str | None) -> str | None:
     """Commit `REGISTRY_RECORD` with `artifact` in it unless HEAD already holds it, and push the commit
     to `remote`; returns the new HEAD, or None when nothing was needed."""
     shown = git(repo, "show", f"HEAD:{REGISTRY_RECORD}", check=False)
-    if shown.returncode == 0 and artifact in (json.loads(shown.stdout or "{}").get("artifacts") or {}):
+    if shown.returncode == 0 and artifact in read_record(shown.stdout, f"{REGISTRY_RECORD} at HEAD")["artifacts"]:
         return None
     record_promotion(repo, artifact, remote)
     git(repo, "add", REGISTRY_RECORD)
