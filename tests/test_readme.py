@@ -34,3 +34,21 @@ def test_the_everyday_example_shows_the_committed_metrics():
     block = _section("Everyday use")
     assert f"{compare['speedup_throughput']:.4f}".rstrip("0") in block
     assert f"{compare['top1_delta']:.4f}".rstrip("0") in block
+
+
+def test_distributed_docs_name_the_configured_link_type_and_set_nnodes_before_the_plan():
+    """docs/distributed.md: the cache link type is `.dvc/config`'s; `train.nnodes` is set before `dvc repro
+    plan` (both are params of the profiles and the plan); the SLURM block puts the venv on PATH for `dvc`."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read_string((ROOT / ".dvc" / "config").read_text())
+    link_type = config["cache"]["type"].strip('"')
+    doc = (ROOT / "docs" / "distributed.md").read_text()
+    named = re.findall(r'`type = "([^"]+)"` under `\[cache\]`', doc)
+    assert named == [link_type], (named, link_type)
+    assert "reflink" not in doc.split("### Data on every node", 1)[1].split("###", 1)[0]
+    recipe = doc.split("## Several machines", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    assert recipe.index("train.nnodes") < recipe.index("dvc repro plan")
+    srun = doc.split("srun ", 1)[1].split("```", 1)[0]
+    assert srun.index("source .venv/bin/activate") < srun.index("dvc pull")

@@ -96,7 +96,8 @@ class Predictor:
         it was trained with (they travel in best.pt: a champion from an older catalog keeps its own). A
         checkpoint older than input recipes takes its stored size from the prepared index when there is
         one, else its input size."""
-        model_dir = model_path if model_path.is_dir() else model_path.parent
+        # A folder (models/optimized) or its best.pt, whether or not it exists yet: the error names it.
+        model_dir = model_path.parent if model_path.suffix == ".pt" else model_path
         if model_path.is_file() and model_path.name != "best.pt":
             raise ValueError(f"{model_path}: expected a cnnpipe best.pt checkpoint or the folder holding it")
         model, meta = load_trained(model_dir, device)

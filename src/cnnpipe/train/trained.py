@@ -28,6 +28,16 @@ def ema_is_better(best: dict[str, Any], last: Path) -> bool:
     return record.get("val_top1_ema", -1.0) > record.get("val_top1", -1.0)
 
 
+def missing_model_hint(model_dir: Path) -> str:
+    """What to do when `model_dir/best.pt` is missing: a stage's output (models/<variant>) is made by
+    its train stage or pulled; any other folder holds what someone put there (`release.fetch`)."""
+    if model_dir.parent.name == "models" and model_dir.name:
+        stage = "champion" if model_dir.name == "champion" else f"train@{model_dir.name}"
+        return f"run `dvc repro {stage}` first (or `dvc pull {stage}` from a DVC remote that holds it)"
+    return ("give a cnnpipe best.pt or the folder holding it (`models/<variant>` after `dvc repro`, or what "
+            "`python -m cnnpipe.release.fetch` wrote)")
+
+
 def trained_weights(model_dir: Path, use_ema: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The state dict `model_dir/best.pt` serves (weights_only) and its meta.
 
@@ -36,7 +46,7 @@ def trained_weights(model_dir: Path, use_ema: bool | None = None) -> tuple[dict[
     """
     path = model_dir / "best.pt"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run `dvc repro train@{model_dir.name}` first")
+        raise FileNotFoundError(f"{path} not found: {missing_model_hint(model_dir)}")
     state = ckpt.load(path)
     meta = dict(state["meta"])
     if use_ema is None:  # the weights calibrate_best chose, saved with them: best.pt alone deploys

@@ -1,0 +1,324 @@
+"""Where users stand: the README's and the docs' command blocks, read from the Markdown files and run
+as written in a `git clone` of the commit under test.
+
+The clone is what a newcomer gets: the committed `dvc.lock`, `.dvc/config` and metrics, no DVC cache,
+no DVC remote, and an `origin` that cannot be reached (a path that does not exist). Its own `src/`
+runs (PYTHONPATH), with this interpreter's tools on PATH. HOME is a folder of the test's own: the
+photos the blocks copy from `~/...` and a git identity, as on a developer's machine.
+
+A block runs with `bash -e`, as written, except where a placeholder stands for something only the
+user has: each substitution below names the placeholder and fails when the block no longer holds it
+(a changed README is a changed test). Sizes are shrunk only through `-S` flags appended to the
+`dvc exp run` the block itself gives (a tiny timm model, 28 px, one small batch, 2 epochs, no
+budget): one such run (`user_run`, built once per test run) serves every block after it.
+
+No verdict depends on what the tiny model learns: the floor is lowered to 0 through `-S`, so the
+first model is blessed on the floors alone, and week 2's test split is too small for the gate to
+refuse an equal or slightly worse challenger (`release.too_small: bless`, the default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT, built_once, save_image
+
+pytestmark = pytest.mark.slow
+
+README = ROOT / "README.md"
+WEEKLY = ROOT / "docs" / "weekly-loop.md"
+MODEL_DOC = ROOT / "docs" / "using-the-model.md"
+CONFUSION = "Confusion matrix of the optimized model (test split)"
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 30)}
+# The `-S` flags appended to the README's `dvc exp run`: the smallest run that still has every stage.
+TINY = ("model.name=test_resnet", "model.pretrained=false", "data.stored_size=32", "data.image_size=28",
+        "train.epochs=2", "run.budget_minutes=null", "train.batch_size=8", "variants.baseline.train.batch_size=8",
+        "train.threads=1", "variants.optimized.train.compile=off", "profile.wait=0", "profile.warmup=1",
+        "profile.active=2", "profile.trial_steps=1", "profile.trial_rounds=2", "release.floors.top1=0")
+
+
+def section(doc: Path, heading: str) -> str:
+    """The text under `heading` (a Markdown heading line) up to the next heading of its level or above."""
+    text = "\n" + doc.read_text()
+    level = heading.split(" ", 1)[0]
+    assert f"\n{heading}\n" in text, f"{doc.name} has no heading {heading!r}"
+    body = text.split(f"\n{heading}\n", 1)[1]
+    stop = re.search(rf"^#{{1,{len(level)}}} ", body, flags=re.MULTILINE)
+    return body[: stop.start()] if stop else body
+
+
+def blocks(doc: Path, heading: str, lang: str) -> list[str]:
+    """The fenced ```lang blocks under `heading`, in order."""
+    return re.findall(rf"^```{lang}\n(.*?)^```", section(doc, heading), flags=re.MULTILINE | re.DOTALL)
+
+
+def console(block: str) -> list[str]:
+    """The commands of a ```console block (its `$ ` lines)."""
+    return [line[2:] for line in block.splitlines() if line.startswith("$ ")]
+
+
+def commands(block: str) -> list[str]:
+    """A bash block's commands without comments or blank lines (to compare two blocks)."""
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()
+            and not line.lstrip().startswith("#")]
+
+
+def substitute(script: str, subs: dict[str, str]) -> str:
+    """`script` with each placeholder replaced; a placeholder the block no longer holds fails the test."""
+    for placeholder, value in subs.items():
+        assert placeholder in script, f"the block no longer holds {placeholder!r}: update the test with it\n{script}"
+        script = script.replace(placeholder, value)
+    return script
+
+
+def user_env(home: Path, project: Path) -> dict[str, str]:
+    """A user's shell: the venv's tools on PATH, the clone's code, their HOME; nothing of the test's git."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "PYTEST", "DVC_"))}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(project / "src"),
+               HOME=str(home), GIT_CONFIG_NOSYSTEM="1", DVC_NO_ANALYTICS="1", OMP_NUM_THREADS="1")
+    return env
+
+
+def bash(script: str, cwd: Path, home: Path, project: Path, ok: bool = True) -> subprocess.CompletedProcess:
+    """Run `script` as a user's `bash -e` would, in `cwd`."""
+    proc = subprocess.run(["bash", "-e", "-c", script], cwd=cwd, env=user_env(home, project), capture_output=True,
+                          text=True, timeout=1200)
+    if ok:
+        assert proc.returncode == 0, f"{script}\nfailed:\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def photos(folder: Path, per_class: int, tag: str) -> None:
+    """Colour photos, one folder per class: classes far apart, so any model the run trains tells them apart."""
+    for colour, rgb in COLOURS.items():
+        for i in range(per_class):
+            rng = np.random.default_rng(zlib.crc32(f"{tag}-{colour}-{i}".encode()))
+            pixels = np.clip(np.array(rgb) + rng.normal(0, 20, (32, 32, 3)), 0, 255).astype(np.uint8)
+            save_image(folder / colour / f"{tag}_{colour}_{i:03d}.jpg", pixels, quality=90)
+
+
+def flat_photos(folder: Path, tag: str) -> Path:
+    """One photo of each class, side by side in `folder` (what a `*.jpg` glob finds)."""
+    photos(folder, 1, tag)
+    for jpg in list(folder.rglob("*.jpg")):
+        jpg.rename(folder / jpg.name)
+    return folder
+
+
+def clone_head(dest: Path, home: Path) -> Path:
+    """A `git clone` of the commit under test on branch main, its `origin` a path that does not exist."""
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    bash(f"git clone -q --no-checkout '{ROOT}' '{dest}' && cd '{dest}' && git checkout -q -B main {sha} && "
+         f"git remote set-url origin '{dest.parent / 'unreachable' / 'origin.git'}'", dest.parent, home, dest)
+    return dest
+
+
+def make_home(home: Path) -> Path:
+    home.mkdir(parents=True, exist_ok=True)
+    (home / ".gitconfig").write_text("[user]\n\tname = Product Owner\n\temail = po@example.com\n")
+    return home
+
+
+@pytest.fixture(scope="session")
+def user_run(tmp_path_factory) -> tuple[Path, dict]:
+    """The clone after the README's "Your own images" block, with the tiny `-S` flags (read-only: copy
+    it to change it); with the run's output."""
+    def build(root: Path) -> dict:
+        home = make_home(root / "home")
+        photos(home / "product-photos", 15, "w0")
+        project = clone_head(root / "project", home)
+        [block] = blocks(README, "## Your own images", "bash")
+        assert block.count("dvc exp run ") == 1
+        script = re.sub(r"^(dvc exp run .*)$", lambda m: m.group(1) + "".join(f" -S {s}" for s in TINY),
+                        block, flags=re.MULTILINE)
+        out = bash(script, project, home, project)
+        return {"output": out.stdout + out.stderr}
+
+    root, result = built_once(tmp_path_factory, "user-run", build)
+    return root, result
+
+
+def stages_run(output: str) -> list[str]:
+    return re.findall(r"Running stage '([^']+)'", output)
+
+
+def test_a_fresh_clone_says_what_it_lacks(tmp_path):
+    """Before any run: predict names the stage that makes its model, and `dvc plots show` draws every
+    chart git holds; the confusion matrix, whose data is DVC's, is the one the README says needs a run."""
+    home = make_home(tmp_path / "home")
+    project = clone_head(tmp_path / "project", home)
+    save_image(tmp_path / "newphotos" / "a.jpg", np.full((32, 32, 3), 200, np.uint8))
+    [block] = blocks(README, "## Using the model", "console")
+    predict = substitute(console(block)[0], {"/tmp/newphotos": str(tmp_path / "newphotos")})
+    out = bash(predict, project, home, project, ok=False)
+    assert out.returncode == 2 and "run `dvc repro train@optimized` first" in out.stderr, out.stderr
+
+    [plots] = [c for c in console(blocks(README, "## Everyday use", "console")[0]) if c.startswith("dvc plots show")]
+    shown = json.loads(bash(re.sub(r"\s+#.*$", "", plots) + " --json", project, home, project).stdout)
+    failed = {error["name"]: error["source"] for error in shown.get("errors", [])}
+    assert len(shown["data"]) == 6 and failed == {CONFUSION: "metrics/optimized/predictions.csv"}, failed
+    assert "confusion (DVC's data: after a repro or `dvc pull evaluate@optimized`)" in plots
+
+
+def test_own_images_reach_training_and_the_everyday_commands_read_the_run(user_run, tmp_path):
+    """The README's own-images block trains both recipes from a fresh clone whose `origin` cannot be
+    reached; then its everyday commands, predict, the export snippet and TensorBoard's run list."""
+    built, result = user_run
+    shutil.copytree(built, tmp_path / "user", symlinks=True)
+    project, home = tmp_path / "user" / "project", tmp_path / "user" / "home"
+    ran = stages_run(result["output"])
+    assert {"prepare", "champion", "train@baseline", "train@optimized", "evaluate@optimized", "export@optimized",
+            "gate"} <= set(ran), ran
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    assert params["data"]["source"] == "data/raw/products" and params["data"]["stored_size"] == 32
+
+    everyday = console(blocks(README, "## Everyday use", "console")[0])
+    # `dvc exp run -S train.lr=...` trains both recipes again (what the own-images run already did);
+    # TensorBoard is a server: its run list is read below.
+    skip = ("dvc exp run", "tensorboard")
+    out = bash("\n".join(re.sub(r"\s+#.*$", "", c) for c in everyday if not c.startswith(skip)),
+               project, home, project)
+    assert sorted(stages_run(out.stdout)) == ["champion", "machine"], out.stdout  # `dvc repro`: nothing to redo
+    shown = json.loads(bash("dvc plots show --json", project, home, project).stdout)
+    assert len(shown["data"]) == 6 and not shown.get("errors"), shown.get("errors")
+
+    new = flat_photos(tmp_path / "newphotos", "new")
+    (new / "cut_off.jpg").write_bytes((new / "new_red_000.jpg").read_bytes()[:200])
+    [block] = blocks(README, "## Using the model", "console")
+    out = bash(substitute(console(block)[0], {"/tmp/newphotos": str(new)}), project, home, project, ok=False)
+    counts = re.search(r"predict: (\d+) classified, (?:(\d+) uncertain \(below 90%\), )?1 could not be read",
+                       out.stderr)
+    assert out.returncode == 0 and counts, out.stderr
+    assert int(counts[1]) + int(counts[2] or 0) == len(COLOURS), out.stderr  # what the tiny model is sure of varies
+
+    # The ONNX snippet of docs/using-the-model.md, on two photos named as it names them.
+    shutil.copy(new / "new_red_000.jpg", project / "a.jpg")
+    shutil.copy(new / "new_blue_000.jpg", project / "b.jpg")
+    [snippet] = [b for b in blocks(MODEL_DOC, "# Using the model: predict and export", "python") if "onnx" in b]
+    (tmp_path / "snippet.py").write_text(snippet + "\nprint(json.dumps(list(logits.shape)))\n")
+    shape = bash(f"python '{tmp_path / 'snippet.py'}'", project, home, project)
+    assert json.loads(shape.stdout.splitlines()[-1]) == [2, len(COLOURS)]
+
+    [tensorboard] = [re.sub(r"\s+#.*$", "", c) for c in everyday if c.startswith("tensorboard")]
+    assert runs_listed(tensorboard, project, home) >= {"baseline", "optimized"}
+
+
+def runs_listed(command: str, project: Path, home: Path) -> set[str]:
+    """The runs TensorBoard's profiler plugin lists when `command` serves the project's traces."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["bash", "-c", f"exec {command} --host 127.0.0.1 --port {port}"], cwd=project,
+                            env=user_env(home, project), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, runs = time.monotonic() + 120, {"runs": [], "loading": True}
+        while time.monotonic() < deadline:
+            try:
+                url = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler/runs"
+                with urllib.request.urlopen(url, timeout=10) as resp:
+                    runs = json.loads(resp.read())
+                if runs["runs"] and not runs["loading"]:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        return set(runs["runs"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_the_first_two_weeks_of_the_weekly_loop(user_run, tmp_path):
+    """After the own-images run: the set-up block (the README's, the same commands as the docs'), then
+    week 1 through docs/weekly-loop.md's block and week 2 through the README's, each promoted; a
+    serving machine fetches what is in prod and predicts with it."""
+    built, _ = user_run
+    shutil.copytree(built, tmp_path / "user", symlinks=True)
+    project, home = tmp_path / "user" / "project", tmp_path / "user" / "home"
+    origin, storage = tmp_path / "origin.git", tmp_path / "dvc-storage"
+    bash(f"git init -q --bare -b main '{origin}'", tmp_path, home, project)
+
+    readme_setup, readme_week = blocks(README, "## Every week: retrain, gate, promote", "bash")
+    [docs_setup] = blocks(WEEKLY, "## Once: what the loop needs", "bash")
+    assert commands(docs_setup) == commands(readme_setup), "the README and docs/weekly-loop.md set up differently"
+    remotes = {"git@git.example.com:team/catalog.git": str(origin), "s3://team-bucket/catalog": str(storage)}
+    bash(substitute(readme_setup, remotes), project, home, project)
+    config = (project / ".dvc" / "config").read_text()
+    assert str(storage) in config and bash("git status --porcelain .dvc/config", project, home, project).stdout == ""
+
+    once = blocks(WEEKLY, "## The commands", "yaml")[0]
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    assert yaml.safe_load(once) == {"variants": {"optimized": {"model": {"init": "champion"}}}}
+    params["variants"]["optimized"]["model"]["init"] = "champion"
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    # Week 1: docs/weekly-loop.md's block, this week's photos in ~/this-weeks-photos.
+    photos(home / "this-weeks-photos", 3, "w1")
+    docs_week = blocks(WEEKLY, "## The commands", "bash")[0]
+    out = bash(docs_week, project, home, project)
+    ran = stages_run(out.stdout)
+    assert "train@optimized" in ran and "train@baseline" not in ran, ran
+    tags = set(bash("git tag -l", origin, home, project).stdout.split())
+    assert {"fashion-classifier@v0.1.0", "fashion-classifier#prod#1"} <= tags, out.stdout[-3000:] + out.stderr[-3000:]
+
+    # Week 2: the README's block, the photos copied in first; its serving line runs on a server.
+    photos(project / "data" / "raw" / "products", 3, "w2")
+    here = [line for line in readme_week.splitlines() if "serving machine" not in line]
+    [serve] = [line for line in readme_week.splitlines() if "serving machine" in line]
+    out = bash("\n".join(here), project, home, project)
+    gate = json.loads((project / "metrics" / "gate.json").read_text())
+    assert gate["champion"]["version"] == "v0.1.0" and gate["blessed"], gate["reasons"]
+    train = json.loads((project / "metrics" / "optimized" / "train.json").read_text())
+    assert train["init"].startswith("champion:v0.1.0"), train["init"]
+    tags = set(bash("git tag -l", origin, home, project).stdout.split())
+    assert "fashion-classifier#prod#2" in tags, out.stdout[-3000:] + out.stderr[-3000:]
+
+    server = tmp_path / "server"
+    server.mkdir()
+    bash(substitute(serve, {"<repo-url>": str(origin)}), server, home, project)
+    release = json.loads((server / "model" / "release.json").read_text())
+    assert release["version"] == "v0.2.0"
+    [fetch_block] = blocks(WEEKLY, "## The commands", "bash")[1:2]
+    flat_photos(server / "incoming", "srv")
+    predict = [line for line in fetch_block.splitlines() if "cnnpipe.predict" in line]
+    bash("\n".join(predict), server, home, project)
+    rows = (server / "preds.csv").read_text().splitlines()
+    assert len(rows) == 1 + len(COLOURS), rows
+
+
+def test_a_manifest_of_own_images_reaches_training(user_run, tmp_path):
+    """The README's manifest route: the same block with the `data.source` it names for a manifest; a
+    catalog listed by a manifest is another catalog than the folder's, and trains from its own ledger."""
+    built, _ = user_run
+    shutil.copytree(built, tmp_path / "user", symlinks=True)
+    project, home = tmp_path / "user" / "project", tmp_path / "user" / "home"
+    [route] = re.findall(r"-S data\.source=(\S+\.csv)", section(README, "## Your own images"))
+    manifest = project / route
+    rows = ["path,label"] + [f"{p.relative_to(manifest.parent).as_posix()},{p.parent.name}"
+                             for p in sorted(manifest.parent.rglob("*.jpg"))]
+    manifest.write_text("\n".join(rows) + "\n")
+    [block] = blocks(README, "## Your own images", "bash")
+    script = "\n".join(line for line in block.splitlines() if not line.startswith("cp "))  # the photos are there
+    script = re.sub(r"^(dvc exp run .*)$", lambda m: m.group(1) + "".join(f" -S {s}" for s in TINY), script,
+                    flags=re.MULTILINE)
+    out = bash(substitute(script, {"-S data.source=data/raw/products ": f"-S data.source={route} "}),
+               project, home, project)
+    ran = stages_run(out.stdout)
+    assert {"prepare", "train@optimized", "evaluate@optimized"} <= set(ran), ran
+    report = json.loads((project / "metrics" / "data_report.json").read_text())
+    assert json.dumps(report).count(route) >= 1
