@@ -171,6 +171,12 @@ class TrainConfig:
     images per epoch keeps the same number of warmup steps); stepped per optimizer step."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of the peak LR."""
+    pretrained_lr_scale: float = 0.1
+    """From pretrained weights (`model.weights_file`, the hub): the backbone's LR as a fraction of the
+    schedule's; the new classifier keeps the full LR (`train.lr_rule`). 1.0: one LR for all layers."""
+    champion_lr_scale: float = 0.1
+    """From the champion (`model.init: champion`): the backbone's LR as a fraction of the schedule's;
+    the classifier keeps the full LR. From random init every layer trains at the full LR."""
     label_smoothing: float = 0.1
     crop_scale_min: float = 0.6
     """Smallest crop area (fraction of the image) of the random-resized crop."""
@@ -263,6 +269,9 @@ class TrainConfig:
             reject("train.warmup_epochs", self.warmup_epochs, "a float >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             reject("train.min_lr_ratio", self.min_lr_ratio, "a float in [0, 1]")
+        for key in ("pretrained_lr_scale", "champion_lr_scale"):
+            if not 0.0 < getattr(self, key) <= 1.0:
+                reject(f"train.{key}", getattr(self, key), "a fraction in (0, 1]")
         if not 0.0 <= self.label_smoothing < 1.0:
             reject("train.label_smoothing", self.label_smoothing, "a float in [0, 1)")
         if not 0.05 <= self.crop_scale_min <= 1.0:
