@@ -29,8 +29,9 @@ class DataConfig:
     """`fashion-mnist` (Debian package or data/raw copy) or a path to an ImageFolder tree."""
     image_size: int | str = "auto"
     """Side of the square crop fed to the model, for training and evaluation; `auto`: `stored_size` on
-    a CPU, `tuning.GPU_IMAGE_SIZE` on a GPU. Above `stored_size` the loaders upsample each batch (on
-    the device for the fast loader): cheap on a GPU, and no larger store to prepare."""
+    a CPU; on a GPU the input size of the model's pretrained config (224 for ResNet-50 and
+    EfficientNet-Lite0; `tuning.image_size_for`). Above `stored_size` the loaders upsample each batch
+    (on the device for the fast loader): cheap on a GPU, and no larger store to prepare."""
     stored_size: int = 32
     """Short side of the images written by `prepare` (pre-resized once)."""
     val_fraction: float = 0.1
