@@ -187,7 +187,7 @@ def _all_loaded(info: InitInfo, model: torch.nn.Module, num_classes: int) -> Ini
 def classifier_keys(model: torch.nn.Module) -> tuple[str, str]:
     """State-dict keys of the classifier's weight and bias (timm names the layer in its pretrained
     config: `fc` for a ResNet, `head.fc` for others)."""
-    name = (getattr(model, "pretrained_cfg", {}) or {}).get("classifier") or "fc"
+    name = classifier_prefix(model)
     return f"{name}.weight", f"{name}.bias"
 
 
