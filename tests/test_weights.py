@@ -163,6 +163,10 @@ def test_a_run_records_the_file_only_when_it_loaded_all_of_it(tmp_path, prepared
             assert result["init"] == f"file:{good}" and result["backbone_lr_scale"] == 0.1
             tensors = result["init_tensors"]
             assert tensors["mapping"] == "timm" and tensors["loaded"] == tensors["backbone"] > 0
+            # the step set each group's LR: the backbone's a tenth of the classifier's
+            last = torch.load(run_dir / "models" / "optimized" / "last.pt", map_location="cpu", weights_only=False)
+            lrs = {g["lr_scale"]: g["lr"] for g in last["optimizer"]["param_groups"]}
+            assert set(lrs) == {0.1, 1.0} and lrs[0.1] == pytest.approx(0.1 * lrs[1.0]) and lrs[1.0] > 0
         else:
             assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
             assert "bad.safetensors" in proc.stderr and "first misfits" in proc.stderr

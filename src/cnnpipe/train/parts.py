@@ -21,12 +21,12 @@ from cnnpipe.data.loaders import AugmentConfig, TrainLoader, build_train_loader
 from cnnpipe.data.store import PreparedSplit
 from cnnpipe.hardware import usable_cores
 from cnnpipe.models import InitInfo, create_model, model_mean_std
-from cnnpipe.weights import classifier_prefix
 from cnnpipe.train.distributed import DistInfo, local_world_size
 from cnnpipe.train.engine import StepContext
 from cnnpipe.train.precision import grad_scaler, resolve_amp, use_cudnn_autotuner
 from cnnpipe.train.schedule import LrSchedule, backbone_lr_scale
 from cnnpipe.train.warm_start import from_champion
+from cnnpipe.weights import classifier_prefix
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:
