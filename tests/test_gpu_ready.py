@@ -286,7 +286,7 @@ def test_auto_checkpoints_are_paced_to_a_small_share_of_training(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------- the GPU workload
-def test_image_size_auto_is_the_store_on_a_cpu_and_resnets_own_size_on_a_gpu(monkeypatch, tmp_path):
+def test_image_size_auto_is_the_store_on_a_cpu_and_the_models_own_size_on_a_gpu(monkeypatch, tmp_path):
     """At the store's 32 px an H200 is launch-bound and shows none of the recipes' differences."""
     from cnnpipe.config import DataConfig
     from cnnpipe.train.tuning import GPU_IMAGE_SIZE, image_size_for, resolve_auto
@@ -300,8 +300,10 @@ def test_image_size_auto_is_the_store_on_a_cpu_and_resnets_own_size_on_a_gpu(mon
     params["data"]["image_size"] = "auto"
     cfg = resolve(load_params(write_params(tmp_path / "auto.yaml", params)), "optimized")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert resolve_auto(cfg, cuda).data.image_size == 224
+    assert resolve_auto(cfg, cuda).data.image_size == 160  # test_resnet's pretrained input size
     assert resolve_auto(cfg, cpu).data.image_size == cfg.data.stored_size
+    assert image_size_for(DataConfig(stored_size=32), cuda, "resnet50") == 224  # the model's own input size
+    assert image_size_for(DataConfig(stored_size=32), cuda, "vit_base_patch16_384") == 384
 
 
 def test_a_store_smaller_than_the_model_input_is_upsampled_per_batch(tmp_path, prepared):

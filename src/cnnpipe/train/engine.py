@@ -109,8 +109,8 @@ def micro_step(ctx: StepContext, images: torch.Tensor, labels: torch.Tensor, dev
             x, targets = ctx.mixup(x, labels)
     if first:
         with region("optimizer"):
-            for group in ctx.optimizer.param_groups:
-                group["lr"] = ctx.lr_for_step(step)
+            for group in ctx.optimizer.param_groups:  # a fine-tune's backbone: a fraction (parts.split_head_lr)
+                group["lr"] = ctx.lr_for_step(step) * group.get("lr_scale", 1.0)
             ctx.optimizer.zero_grad(set_to_none=True)
     # DDP: a micro-batch that does not end the window skips the gradient all-reduce. The forward pass
     # must be inside no_sync too: DDP's forward arms the reducer that the backward then fires.

@@ -24,8 +24,9 @@ from cnnpipe.models import InitInfo, create_model, model_mean_std
 from cnnpipe.train.distributed import DistInfo, local_world_size
 from cnnpipe.train.engine import StepContext
 from cnnpipe.train.precision import grad_scaler, resolve_amp, use_cudnn_autotuner
-from cnnpipe.train.schedule import LrSchedule
+from cnnpipe.train.schedule import LrSchedule, backbone_lr_scale
 from cnnpipe.train.warm_start import from_champion
+from cnnpipe.weights import classifier_prefix
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:
@@ -74,6 +75,25 @@ def build_optimizer(model: torch.nn.Module, cfg: VariantConfig, lr: float,
     else:
         kwargs["foreach"] = True
     return create_optimizer_v2(model, opt=name, lr=lr, weight_decay=t.weight_decay, **kwargs)
+
+
+def split_head_lr(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                  backbone_scale: float) -> torch.optim.Optimizer:
+    """`optimizer` with each parameter group split in two: the backbone's parameters at
+    `backbone_scale` of the schedule's LR, the classifier's at the full LR (`lr_scale`, the key
+    timm's schedulers and our step read). Scale 1: `optimizer` itself, untouched."""
+    if backbone_scale == 1.0:
+        return optimizer
+    prefix = classifier_prefix(model) + "."
+    head = {id(p) for n, p in model.named_parameters() if n.startswith(prefix)}
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for params, scale in (([p for p in group["params"] if id(p) not in head], backbone_scale),
+                              ([p for p in group["params"] if id(p) in head], 1.0)):
+            if params:
+                groups.append({**settings, "params": params, "lr_scale": scale, "lr": settings["lr"] * scale})
+    return type(optimizer)(groups, **optimizer.defaults)
 
 
 def decode_place(cfg: VariantConfig, split: PreparedSplit) -> str:
@@ -131,7 +151,8 @@ def build_training(cfg: VariantConfig, info: DistInfo, split: PreparedSplit,
     global_batch = t.batch_size * info.world_size * t.accum_steps
     steps_per_epoch = len(loader) // t.accum_steps
     schedule = LrSchedule.for_run(t, len(split), global_batch, steps_per_epoch * t.epoch_count)
-    optimizer = build_optimizer(model, cfg, schedule(0), info.device)
+    optimizer = split_head_lr(build_optimizer(model, cfg, schedule(0), info.device), model,
+                              backbone_lr_scale(t, init.source))
     return TrainingParts(split, model, init, mean, std, amp, optimizer, grad_scaler(amp, info.device), aug, loader,
                          global_batch, steps_per_epoch, schedule)
 

@@ -13,6 +13,7 @@ from cnnpipe.monitor import peak_mem_mb
 from cnnpipe.train.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from cnnpipe.train.parts import TrainingParts, decode_place
 from cnnpipe.train.precision import math_mode
+from cnnpipe.train.schedule import backbone_lr_scale
 
 LIVE_KEYS = {"train/loss": "train_loss", "val/top1": "val_top1", "val/loss": "val_loss", "lr": "lr",
              "epoch_time_s": "epoch_time_s", "throughput_img_s": "throughput_img_s",
@@ -59,8 +60,13 @@ def announce(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, threads: 
           f"x{info.world_size} image_size={cfg.data.image_size} amp={parts.amp} channels_last={t.channels_last} "
           f"compile={t.compile} epochs={t.epochs} loader={t.loader} decode={decode_place(cfg, parts.split)} "
           f"batch={parts.global_batch}{f' ({note})' if note else ''} "
-          f"peak_lr={parts.schedule.peak_lr:.4g} images/epoch={parts.loader.sampler.n} "
+          f"peak_lr={parts.schedule.peak_lr:.4g}{_backbone_note(cfg, parts)} images/epoch={parts.loader.sampler.n} "
           f"steps/epoch={parts.steps_per_epoch} threads={threads}", flush=True)
+
+
+def _backbone_note(cfg: VariantConfig, parts: TrainingParts) -> str:
+    scale = backbone_lr_scale(cfg.train, parts.init.source)
+    return "" if scale == 1.0 else f" (backbone x{scale:g}: {parts.init.source} start)"
 
 
 def epoch_record(epoch: int, stats, val: dict[str, float], info: DistInfo) -> dict[str, float]:
@@ -113,6 +119,9 @@ def run_summary(cfg: VariantConfig, history: list[dict], init, info: DistInfo, a
         "images_per_epoch": cfg.train.images_per_epoch,
         "init": init.source if init.source == "random" else f"{init.source}:{init.location}",
         "init_sha256": init.sha256,
+        # how a weights file was named onto the model and how many of its backbone tensors it gave (all)
+        "init_tensors": None if init.loaded is None else {
+            "mapping": init.mapping, "loaded": init.loaded, "backbone": init.backbone, "classifier": init.classifier},
         "image_size": cfg.data.image_size,
         "amp": amp,
         "math": math_mode(amp, info.device),
@@ -121,6 +130,7 @@ def run_summary(cfg: VariantConfig, history: list[dict], init, info: DistInfo, a
         "loader": cfg.train.loader,
         "global_batch": global_batch,
         "peak_lr": peak_lr,
+        "backbone_lr_scale": backbone_lr_scale(cfg.train, init.source),  # of peak_lr (schedule.backbone_lr_scale)
         "final_train_loss": last["train_loss"],
         "final_val_top1": last["val_top1"],
         "best_val_top1": max(h["val_top1"] for h in history),

@@ -60,6 +60,29 @@ class LrSchedule:
                      kind=self.kind, min_lr_ratio=self.min_lr_ratio)
 
 
+START_OF_INIT = {"random": "scratch", "file": "pretrained", "hub-cache": "pretrained", "hub": "pretrained",
+                 "champion": "champion"}
+"""The start a run's init record (`models.InitInfo.source`) makes it."""
+
+
+def backbone_lr_scale(t: TrainConfig, init_source: str) -> float:
+    """The LR rule of a fine-tune: the backbone trains at this fraction of the schedule's LR, the
+    classifier at the full LR, by where the weights start.
+
+    A head/backbone split, the rule of every fine-tuning recipe since ULMFiT's discriminative rates
+    (timm's `layer_decay` is its per-layer form), rather than one scale for the whole model: the
+    classifier is new (from ImageNet weights) or has new rows (the champion's, when classes change)
+    and must move as fast as training from scratch does, while the backbone's features are already
+    good and a scratch LR (tuned to move random weights far) wrecks them in the first epoch. From
+    random init (scale 1) the optimizer is built exactly as before, so the default run is unchanged.
+    The warm-up stays the recipe's: it protects the fresh classifier's first updates at full LR, in
+    every start. The scales are `train.pretrained_lr_scale` and `train.champion_lr_scale`;
+    docs/results.md measures 0.1 against 1.0 (the scratch LR) from EfficientNet-Lite0's ImageNet weights.
+    """
+    start = START_OF_INIT.get(init_source, "scratch")
+    return {"scratch": 1.0, "pretrained": t.pretrained_lr_scale, "champion": t.champion_lr_scale}[start]
+
+
 MIN_BATCH = 64
 """The smallest per-process batch `batch_for_steps` halves to. Below it ResNet-50 loses on both
 counts on a CPU (measured at 3/32 of Fashion-MNIST per epoch, 4 epochs: batch 32 reached 78.4%

