@@ -225,52 +225,6 @@ def _small_batch_params() -> dict:
     return params
 
 
-def _readme_recipe() -> list[str]:
-    """The command lines of the README's "Your own images" block."""
-    text = (ROOT / "README.md").read_text()
-    block = text.split("## Your own images", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    return [line.split("#", 1)[0].strip() for line in block.strip().splitlines() if line.strip()]
-
-
-def test_the_readmes_own_images_recipe_works_line_by_line(project, tmp_path):
-    """Each line of the README's recipe as a user types it (their photos in ~/product-photos); then
-    the photos are DVC data: `dvc status` sees a new one, `dvc push` ships them, and the next prepare
-    adds it without moving an old photo."""
-    home = tmp_path / "home"
-    _photo_tree(home / "product-photos", predefined=False)
-    write_params(project / "params.yaml", _small_batch_params())
-    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "small batches"], project)
-    lines = _readme_recipe()
-    assert [line.split()[:2] for line in lines] == [["cp", "-r"], ["dvc", "add"], ["dvc", "exp"]]
-    for line in lines:
-        run(["bash", "-c", line], project, extra_env={"HOME": str(home)})
-    report = json.loads((project / "metrics" / "data_report.json").read_text())
-    assert report["source"] == "data/raw/products" and report["classes"] == ["blue things", "red things"]
-    assert report["num_bad"] == 1 and report["bad_files"][0]["path"].endswith("broken.jpg")
-    assert report["predefined_splits"] is False
-    evaluation = json.loads((project / "metrics" / "optimized" / "eval.json").read_text())
-    assert evaluation["images"] == report["splits"]["test"]
-    assert any("small test split" in w for w in evaluation["warnings"])
-    assert any("carved" in w for w in evaluation["warnings"])
-    assert "small test split" in (project / "metrics" / "compare.md").read_text()
-
-    untracked = run(["git", "status", "--porcelain", "--untracked-files=all", "data/raw"], project)
-    assert "data/raw/products.dvc" in untracked and "data/raw/.gitignore" in untracked
-    assert "data/raw/products/" not in untracked  # the photos are DVC's, not git's
-    assert "up to date" in run(["dvc", "status", "data/raw/products.dvc"], project).lower()
-    save_image(project / "data" / "raw" / "products" / "blue things" / "new arrival.png",
-               np.full((24, 24, 3), (10, 20, 220), np.uint8))
-    assert "modified" in run(["dvc", "status", "data/raw/products.dvc"], project)
-    run(["dvc", "add", "data/raw/products"], project)
-    run(["dvc", "remote", "add", "-d", "shared", str(tmp_path / "remote")], project)
-    run(["dvc", "push", "data/raw/products.dvc"], project)
-    assert sum(1 for p in (tmp_path / "remote").rglob("*") if p.is_file()) >= 2 * 36 + 1
-    run(["dvc", "repro", "prepare"], project)
-    report = json.loads((project / "metrics" / "data_report.json").read_text())
-    assert report["work"]["decoded"] == 1 and report["changes"]["moved_between_splits"] == 0
-    assert sum(c["gained"] for c in report["changes"]["splits"].values()) == 1
-
-
 def test_repro_on_an_image_folder_with_its_own_splits(project, tmp_path):
     tree = _photo_tree(tmp_path / "photos", predefined=True)
     params = _small_batch_params()

@@ -88,8 +88,10 @@ def substitute(script: str, subs: dict[str, str]) -> str:
 def user_env(home: Path, project: Path) -> dict[str, str]:
     """A user's shell: the venv's tools on PATH, the clone's code, their HOME; nothing of the test's git."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "PYTEST", "DVC_"))}
+    temp = home / "tmp"  # the user's temp folder (TensorBoard's .tensorboard-info, ...), not the system's
+    temp.mkdir(parents=True, exist_ok=True)
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(project / "src"),
-               HOME=str(home), GIT_CONFIG_NOSYSTEM="1", DVC_NO_ANALYTICS="1", OMP_NUM_THREADS="1")
+               HOME=str(home), GIT_CONFIG_NOSYSTEM="1", DVC_NO_ANALYTICS="1", OMP_NUM_THREADS="1", TMPDIR=str(temp))
     return env
 
 
@@ -141,6 +143,7 @@ def user_run(tmp_path_factory) -> tuple[Path, dict]:
     def build(root: Path) -> dict:
         home = make_home(root / "home")
         photos(home / "product-photos", 15, "w0")
+        (home / "product-photos" / "red" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a photo")
         project = clone_head(root / "project", home)
         [block] = blocks(README, "## Your own images", "bash")
         assert block.count("dvc exp run ") == 1
@@ -186,6 +189,18 @@ def test_own_images_reach_training_and_the_everyday_commands_read_the_run(user_r
             "gate"} <= set(ran), ran
     params = yaml.safe_load((project / "params.yaml").read_text())
     assert params["data"]["source"] == "data/raw/products" and params["data"]["stored_size"] == 32
+    # What the README says of the run: a broken file skipped and listed; splits by content hash; a small
+    # test split carved out of train, said by evaluate and compare.md; the photos DVC's, not git's.
+    report = json.loads((project / "metrics" / "data_report.json").read_text())
+    assert report["classes"] == sorted(COLOURS) and report["predefined_splits"] is False
+    assert report["num_bad"] == 1 and report["bad_files"][0]["path"].endswith("broken.jpg")
+    evaluation = json.loads((project / "metrics" / "optimized" / "eval.json").read_text())
+    assert evaluation["images"] == report["splits"]["test"]
+    assert any("small test split" in w for w in evaluation["warnings"])
+    assert any("carved" in w for w in evaluation["warnings"])
+    assert "small test split" in (project / "metrics" / "compare.md").read_text()
+    untracked = bash("git status --porcelain --untracked-files=all data/raw", project, home, project).stdout
+    assert "data/raw/products.dvc" in untracked and "data/raw/products/" not in untracked, untracked
 
     everyday = console(blocks(README, "## Everyday use", "console")[0])
     # `dvc exp run -S train.lr=...` trains both recipes again (what the own-images run already did);
@@ -281,6 +296,9 @@ def test_the_first_two_weeks_of_the_weekly_loop(user_run, tmp_path):
     here = [line for line in readme_week.splitlines() if "serving machine" not in line]
     [serve] = [line for line in readme_week.splitlines() if "serving machine" in line]
     out = bash("\n".join(here), project, home, project)
+    report = json.loads((project / "metrics" / "data_report.json").read_text())
+    assert report["changes"]["moved_between_splits"] == 0, report["changes"]  # the new photos moved no old one
+    assert sum(c["gained"] for c in report["changes"]["splits"].values()) == 3 * len(COLOURS), report["changes"]
     gate = json.loads((project / "metrics" / "gate.json").read_text())
     assert gate["champion"]["version"] == "v0.1.0" and gate["blessed"], gate["reasons"]
     train = json.loads((project / "metrics" / "optimized" / "train.json").read_text())
