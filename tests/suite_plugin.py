@@ -44,6 +44,9 @@ def _child_environment() -> None:
     os.environ["DVC_NO_ANALYTICS"] = "1"  # else every dvc command leaves a report file in the temp folder
     # torch.compile's cache, kept between runs, but not in the system temp folder (its default)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".pytest_cache" / "torchinductor"))
+    # DVC's per-repository state (/var/tmp/dvc/repo/<hash> by default): the tests' projects are gone
+    # when the run ends, so is theirs.
+    os.environ.setdefault("DVC_SITE_CACHE_DIR", str(ROOT / ".pytest_cache" / "dvc-site"))
     child_hooks = str(Path(__file__).with_name("child_hooks"))
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != child_hooks]
     os.environ["PYTHONPATH"] = os.pathsep.join([child_hooks, *paths])

@@ -87,7 +87,8 @@ def substitute(script: str, subs: dict[str, str]) -> str:
 
 def user_env(home: Path, project: Path) -> dict[str, str]:
     """A user's shell: the venv's tools on PATH, the clone's code, their HOME; nothing of the test's git."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "PYTEST", "DVC_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "PYTEST", "DVC_"))
+           or k == "DVC_SITE_CACHE_DIR"}  # the suite's, not /var/tmp/dvc (tests/suite_plugin.py)
     temp = home / "tmp"  # the user's temp folder (TensorBoard's .tensorboard-info, ...), not the system's
     temp.mkdir(parents=True, exist_ok=True)
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(project / "src"),
