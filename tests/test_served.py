@@ -13,7 +13,7 @@ import pytest
 
 from cnnpipe.release import promote as promote_mod
 from cnnpipe.release.fetch import Mismatch, fetch_production
-from cnnpipe.release.remote import file_md5
+from cnnpipe.files import file_md5
 
 ENV = {"GIT_AUTHOR_NAME": "Product Owner", "GIT_AUTHOR_EMAIL": "po@example.com",
        "GIT_COMMITTER_NAME": "Product Owner", "GIT_COMMITTER_EMAIL": "po@example.com", "DVC_NO_ANALYTICS": "1"}

@@ -94,7 +94,15 @@ def read_yaml_mapping(path: Path | None, problem: str) -> dict[str, Any]:
 
 def file_sha256(path: str | Path) -> str:
     """sha256 of a file, streamed."""
-    digest = hashlib.sha256()
+    return _file_digest(path, hashlib.sha256())
+
+
+def file_md5(path: str | Path) -> str:
+    """md5 of a file, streamed: the hash DVC records for an output (`hash: md5` in dvc.lock)."""
+    return _file_digest(path, hashlib.md5())
+
+
+def _file_digest(path: str | Path, digest: Any) -> str:
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)

@@ -16,7 +16,6 @@ costs today). What cannot be told is treated as the same catalog: refused, never
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import numpy as np
 import yaml
 
 from cnnpipe.data.previous import Found, dvc_root
+from cnnpipe.files import file_md5
 
 SKETCH_SIZE = 256
 """Path keys kept in a catalog's sketch: the smallest ones (a bottom-k sample, the same files whatever
@@ -79,14 +79,6 @@ def _lock_stage(root: Path, out_rel: str) -> dict[str, Any]:
     return {}
 
 
-def _md5(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def recorded_catalog(folder: Path, report: Path) -> Recorded | None:
     """What `dvc.lock` recorded for the prepare that wrote `folder` (its `data.source`, its
     `data.split_reset`) and what that run's data report `report` says of the ledger (its catalog
@@ -102,7 +94,7 @@ def recorded_catalog(folder: Path, report: Path) -> Recorded | None:
         if params.get("data.source") else None
     report_rel = Path(os.path.relpath(os.path.abspath(report), root)).as_posix()
     locked = next((out for out in stage.get("outs", []) if out.get("path") == report_rel), None)
-    if locked and Path(report).is_file() and locked.get("md5") == _md5(Path(report)):
+    if locked and Path(report).is_file() and locked.get("md5") == file_md5(Path(report)):
         ledger = (json.loads(Path(report).read_text(encoding="utf-8")) or {}).get("ledger") or {}
         resets |= set(ledger.get("resets") or [])
         if ledger.get("catalog") and (identity is None or ledger["catalog"].get("source") == identity["source"]):

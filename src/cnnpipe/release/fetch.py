@@ -22,10 +22,10 @@ import tempfile
 from pathlib import Path
 
 from cnnpipe.release_config import ReleaseConfig
-from cnnpipe.files import write_json
+from cnnpipe.files import file_md5, write_json
 from cnnpipe.release.champion import artifact_path, download
 from cnnpipe.release.production import ProductionUnknown, artifact_events, git, in_stage
-from cnnpipe.release.remote import ModelUnchecked, Remote, file_md5
+from cnnpipe.release.remote import ModelUnchecked, Remote
 
 
 class Mismatch(RuntimeError):

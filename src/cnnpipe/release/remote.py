@@ -35,15 +35,6 @@ def locked_output(lock_text: str, path: str) -> tuple[str, str, str]:
     raise ModelUnchecked(f"dvc.lock records no output holding {path}: nothing says which bytes were judged")
 
 
-def file_md5(path: Path) -> str:
-    """md5 of a file's bytes, as DVC hashes them (`hash: md5`)."""
-    digest = hashlib.md5()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class Remote:
     """The DVC remote of the project at `repo` (a checkout, or a clone read at `rev`): its object store."""
 
