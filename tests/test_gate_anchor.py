@@ -54,11 +54,12 @@ def test_the_champion_stage_fetches_another_anchor_and_checks_its_bytes(repo, tm
     carried = commit(repo, {"metrics/gate.json": json.dumps({"anchor_next": record})}, "week 2")
     fetched = []
 
-    def download(where, path, at, out):
+    def download(where, path, at, out, expected=None):
         fetched.append((path, at))
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(model.read_bytes())
-        return file_sha256(out)
+        if expected is None or file_sha256(model) == expected:  # champion.download's rule: never other bytes
+            out.write_bytes(model.read_bytes())
+        return file_sha256(model)
 
     monkeypatch.setattr(champion_mod, "download", download)
     out = tmp_path / "champion"
@@ -69,6 +70,7 @@ def test_the_champion_stage_fetches_another_anchor_and_checks_its_bytes(repo, tm
     model.write_bytes(b"other weights")
     with pytest.raises(ProductionUnknown, match="has other bytes"):
         fetch_anchor(repo, found, "models/optimized/best.pt", "e" * 64, out)
+    assert (out / "anchor" / "best.pt").read_bytes() != b"other weights"  # the refused bytes never landed
     itself = commit(repo, {"metrics/gate.json": json.dumps({"anchor_next": {"self": True}})}, "week 3")
     about = fetch_anchor(repo, {"commit": itself, "version": "v0.3.0"}, "models/optimized/best.pt", "f" * 64, out)
     assert about["same_as_champion"] and about["commit"] == itself and not (out / "anchor").exists()

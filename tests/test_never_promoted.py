@@ -76,12 +76,14 @@ def test_a_recorded_promotion_or_local_tags_still_require_origin(tmp_path):
 
 
 def test_promote_commits_the_record_into_the_version_it_registers(tmp_path, monkeypatch):
+    """The record's commit goes to the remote's main branch, whatever the local branch is called."""
     origin, repo = tmp_path / "origin.git", tmp_path / "a"
     sh(tmp_path, "git", "init", "-q", "--bare", "-b", "main", str(origin))
     sh(tmp_path, "git", "clone", "-q", str(origin), str(repo))
+    sh(repo, "git", "checkout", "-q", "-b", "weekly")
     sh(repo, "git", "commit", "-q", "--allow-empty", "-m", "week 0")
-    sh(repo, "git", "push", "-q", "origin", "main")
-    monkeypatch.setattr(promote_mod, "check_ready", lambda *args: None)
+    sh(repo, "git", "push", "-q", "origin", "weekly:main")
+    monkeypatch.setattr(promote_mod, "check_ready", lambda *args: "main")  # the remote's main, checked
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
     blessed = {"blessed": True, "reasons": ["fine"], "warnings": [], "champion": None}
@@ -115,3 +117,25 @@ def test_dvc_repro_gets_past_the_champion_stage_with_origin_unreachable_until_a_
     sh(root, "git", "commit", "-qm", "a promotion recorded")
     refused = sh(root, "dvc", "repro", "champion", ok=False)
     assert refused.returncode != 0 and "cannot read the tags of git remote 'origin'" in refused.stderr + refused.stdout
+
+
+def test_promote_takes_the_record_back_when_the_remotes_main_moved_on(tmp_path, monkeypatch):
+    """Another clone pushed to main after this one's gate: the record cannot be pushed, so it is not
+    left behind as a local commit that a rerun would refuse as "not on main"."""
+    origin, repo, other = tmp_path / "origin.git", tmp_path / "a", tmp_path / "b"
+    sh(tmp_path, "git", "init", "-q", "--bare", "-b", "main", str(origin))
+    sh(tmp_path, "git", "clone", "-q", str(origin), str(repo))
+    sh(repo, "git", "commit", "-q", "--allow-empty", "-m", "week 0")
+    sh(repo, "git", "push", "-q", "origin", "main")
+    sh(tmp_path, "git", "clone", "-q", str(origin), str(other))
+    sh(other, "git", "commit", "-q", "--allow-empty", "-m", "someone else's week")
+    sh(other, "git", "push", "-q", "origin", "main")
+    monkeypatch.setattr(promote_mod, "check_ready", lambda *args: "main")
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    before = sh(repo, "git", "rev-parse", "HEAD").stdout
+    blessed = {"blessed": True, "reasons": ["fine"], "warnings": [], "champion": None}
+    with pytest.raises(promote_mod.Refused, match=f"could not push the commit recording {REGISTRY_RECORD}"):
+        promote_mod.promote(repo, CFG, blessed)
+    assert sh(repo, "git", "rev-parse", "HEAD").stdout == before and not (repo / REGISTRY_RECORD).exists()
+    assert sh(repo, "git", "tag", "-l").stdout == ""

@@ -19,9 +19,9 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 
-from cnnpipe.config import DataConfig, ModelConfig, TrainConfig
+from cnnpipe.config import DataConfig, ModelConfig, TrainConfig, VariantConfig
 from cnnpipe.models import WeightsUnavailable, create_model, model_mean_std
-from cnnpipe.train.parts import split_head_lr
+from cnnpipe.train.parts import build_optimizer, split_head_lr
 from cnnpipe.train.recipe import input_recipe, photo_input
 from cnnpipe.train.schedule import backbone_lr_scale
 from cnnpipe.weights import WeightsMismatch, load_weights, read_state_dict, resolve_weights_path
@@ -138,6 +138,19 @@ def test_the_lr_follows_the_start_and_scratch_keeps_one_optimizer():
         assert group["lr_scale"] == (1.0 if in_head == {True} else 0.1)
         assert group["lr"] == pytest.approx(0.4 * group["lr_scale"])
     assert sum(len(g["params"]) for g in split.param_groups) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_the_split_keeps_the_recipes_optimizer_and_it_steps(name):
+    """Every optimizer the recipe builds (`train.optimizer`) splits and takes a step: AdamW's defaults
+    hold a key its constructor refuses, so the split must not rebuild it from them."""
+    cfg = VariantConfig("optimized", 0, DataConfig(), ModelConfig(), TrainConfig(optimizer=name))
+    model = timm.create_model("test_resnet", num_classes=3)
+    optimizer = build_optimizer(model, cfg, 0.1, torch.device("cpu"))
+    split = split_head_lr(optimizer, model, 0.1)
+    assert type(split) is type(optimizer) and {g["lr_scale"] for g in split.param_groups} == {0.1, 1.0}
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    split.step()
 
 
 @pytest.mark.slow

@@ -128,6 +128,8 @@ def another_catalog(recorded: Recorded | None, today: dict[str, Any]) -> str | N
     if _same_source(str(was.get("source")), today["source"], recorded.root):
         return None
     overlap = path_overlap(was, today)
+    if overlap is None and was.get("kind") != "fashion-mnist":
+        return None  # no paths recorded to compare (a report before sketches): cannot be told, so refused
     if overlap is not None and overlap >= SAME_CATALOG_OVERLAP:
         return None  # the same files under another name: moved, not replaced
     shared = "" if overlap is None else f", ~{overlap:.0%} of its file paths shared"

@@ -48,9 +48,10 @@ def artifact_path(repo: Path | None, name: str, dvc_yaml: str | None = None) -> 
     return str(declared[name]["path"])
 
 
-def download(repo: str, path: str, commit: str, out: Path) -> str:
+def download(repo: str, path: str, commit: str, out: Path, expected: str | None = None) -> str:
     """`path` at `commit` of the DVC project `repo` (a folder or a git URL) into `out`, atomically;
-    returns its sha256. The file is replaced only when its content changed."""
+    returns its sha256. The file is replaced only when its content changed, and never by bytes whose
+    sha256 is not `expected` (when given: the caller refuses those)."""
     import dvc.api
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -58,7 +59,7 @@ def download(repo: str, path: str, commit: str, out: Path) -> str:
     with dvc.api.open(path, repo=repo, rev=commit, mode="rb") as src, open(temp, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
     digest = file_sha256(temp)
-    if out.exists() and file_sha256(out) == digest:
+    if (out.exists() and file_sha256(out) == digest) or (expected is not None and digest != expected):
         temp.unlink()
     else:
         os.replace(temp, out)
@@ -91,7 +92,7 @@ def fetch_anchor(repo: Path, found: dict[str, Any], path: str, digest: str, out:
                else "the champion, shown within the margin of the anchor before it")
         return {"commit": found["commit"], "version": found.get("version"), "path": path, "sha256": digest,
                 "same_as_champion": True, "why": why}
-    got = download(str(repo), record["path"], record["commit"], folder / MODEL)
+    got = download(str(repo), record["path"], record["commit"], folder / MODEL, expected=record.get("sha256"))
     if got != record.get("sha256"):
         raise ProductionUnknown(f"the anchor {record.get('version')} at commit {record['commit'][:12]} has other bytes "
                                 f"({got[:12]}) than its verdict recorded ({str(record.get('sha256'))[:12]}): "

@@ -59,10 +59,10 @@ def summary(verdict: dict[str, Any]) -> str:
         line.rstrip(".") + "." for line in verdict.get("warnings", []) + verdict["reasons"])
 
 
-def check_ready(repo: Path, model_stage: str, gate: Path, remote: str | None) -> None:
+def check_ready(repo: Path, model_stage: str, gate: Path, remote: str | None) -> str | None:
     """Refuse unless the tree is committed (dvc.lock and the verdict included, no untracked file), the
     commit is on the git remote's main branch, the pipeline matches dvc.lock and the model is pushed
-    to the DVC remote."""
+    to the DVC remote. Returns that main branch's name (None without a remote)."""
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=all"], repo)
     if dirty.returncode != 0:
         raise Refused(f"{repo} is not a git repository: {dirty.stderr.strip()}")
@@ -78,8 +78,7 @@ def check_ready(repo: Path, model_stage: str, gate: Path, remote: str | None) ->
         raise Refused("the working tree has untracked files, which the version's commit would not hold:\n"
                       + "\n".join(f"  {name}" for name in untracked) + "\ncommit them (`git add`), or list them in "
                       ".gitignore if they are not part of the project")
-    if remote is not None:
-        check_on_main(repo, remote)
+    branch = check_on_main(repo, remote) if remote is not None else None
     # The gate and everything it stands on (prepare, train@optimized, evaluate@optimized): a weekly run
     # may leave the baseline's stages behind.
     status = _run([sys.executable, "-m", "dvc", "status", "--json", "--with-deps", "gate"], repo)
@@ -93,11 +92,13 @@ def check_ready(repo: Path, model_stage: str, gate: Path, remote: str | None) ->
         raise Refused(f"cannot check the DVC remote: {cloud.stderr.strip()}: configure one (`dvc remote add -d ...`)")
     if json.loads(cloud.stdout or "{}"):
         raise Refused("the model is not in the DVC remote yet: run `dvc push` (a serving machine fetches it from there)")
+    return branch
 
 
-def check_on_main(repo: Path, remote: str) -> None:
+def check_on_main(repo: Path, remote: str) -> str:
     """Refuse unless HEAD is in the history of `remote`'s main branch (its HEAD, else `main`), fetched
-    now: a commit only on a side branch, or not pushed, is not where every clone and CI look."""
+    now: a commit only on a side branch, or not pushed, is not where every clone and CI look. Returns
+    that branch's name."""
     symref = git(repo, "ls-remote", "--symref", remote, "HEAD", check=False)
     head = next((line.split()[1] for line in symref.stdout.splitlines() if line.startswith("ref: ")), "refs/heads/main")
     branch = head.removeprefix("refs/heads/")
@@ -109,6 +110,7 @@ def check_on_main(repo: Path, remote: str) -> None:
         raise Refused(f"this commit is not on {remote!r}'s {branch}: push it there first (`git push {remote} "
                       f"HEAD:{branch}`, merged if it sits on another branch), so that the version's commit is in the "
                       "history every clone and CI check out")
+    return branch
 
 
 def open_flags(verdict: dict[str, Any]) -> str | None:
@@ -140,9 +142,11 @@ def check_same_champion(now: dict[str, Any] | None, cfg: ReleaseConfig, verdict:
                       f"{(now or {}).get('version') or 'nothing'}: rerun `dvc repro gate` and commit")
 
 
-def commit_record(repo: Path, artifact: str, remote: str | None) -> str | None:
+def commit_record(repo: Path, artifact: str, remote: str | None, branch: str | None) -> str | None:
     """Commit `REGISTRY_RECORD` with `artifact` in it unless HEAD already holds it, and push the commit
-    to `remote`; returns the new HEAD, or None when nothing was needed."""
+    to `remote`'s main `branch` (whatever the local branch is called, or a detached HEAD); returns the
+    new HEAD, or None when nothing was needed. A push the remote refuses (its main moved on) takes the
+    commit back and refuses: the version must be registered on a commit every clone has."""
     shown = git(repo, "show", f"HEAD:{REGISTRY_RECORD}", check=False)
     if shown.returncode == 0 and artifact in read_record(shown.stdout, f"{REGISTRY_RECORD} at HEAD")["artifacts"]:
         return None
@@ -151,7 +155,11 @@ def commit_record(repo: Path, artifact: str, remote: str | None) -> str | None:
     git(repo, "commit", "--quiet", "-m", f"Record {artifact!r} in {REGISTRY_RECORD}: its promotions need the git "
         "remote from this commit on", "--", REGISTRY_RECORD)
     if remote is not None:
-        git(repo, "push", "--quiet", remote, "HEAD")
+        pushed = git(repo, "push", "--quiet", remote, f"HEAD:refs/heads/{branch or 'main'}", check=False)
+        if pushed.returncode != 0:
+            git(repo, "reset", "--quiet", "--keep", "HEAD~1", check=False)
+            raise Refused(f"could not push the commit recording {REGISTRY_RECORD} to {remote!r}'s {branch or 'main'} "
+                          f"({pushed.stderr.strip()}): pull, rerun `dvc repro gate` if anything changed, and promote again")
     return git(repo, "rev-parse", "HEAD").stdout.strip()
 
 
@@ -206,9 +214,9 @@ def promote(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any], override: s
         if now is not None and now["commit"] == head and not ours:
             return now["version"], [now["tag"]], False
         check_same_champion(now, cfg, verdict)
-        check_ready(repo, model_stage, repo / gate, remote)
+        branch = check_ready(repo, model_stage, repo / gate, remote)
         if not ours and not any(e.action == "register" and e.commit == head for e in events):
-            head = commit_record(repo, cfg.artifact, remote) or head  # the version's commit holds the record
+            head = commit_record(repo, cfg.artifact, remote, branch) or head  # the version's commit holds the record
     except ProductionUnknown as exc:
         raise Refused(str(exc)) from exc
     message = summary(verdict)

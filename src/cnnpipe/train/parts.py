@@ -93,7 +93,13 @@ def split_head_lr(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                               ([p for p in group["params"] if id(p) in head], 1.0)):
             if params:
                 groups.append({**settings, "params": params, "lr_scale": scale, "lr": settings["lr"] * scale})
-    return type(optimizer)(groups, **optimizer.defaults)
+    # The groups swapped in place (no step taken yet, so no state to carry): rebuilding the optimizer
+    # from its `defaults` fails where those hold a key its constructor does not take (AdamW's
+    # `decoupled_weight_decay`).
+    optimizer.param_groups.clear()
+    for group in groups:
+        optimizer.add_param_group(group)
+    return optimizer
 
 
 def decode_place(cfg: VariantConfig, split: PreparedSplit) -> str:

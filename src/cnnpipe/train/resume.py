@@ -65,6 +65,13 @@ def resume(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, ema: torch.
         if info.is_primary:
             print(f"{note}{last_path} is a finished run; training again from scratch", file=sys.stderr)
         return Progress()
+    saved_groups = len(state["optimizer"]["param_groups"])
+    if saved_groups != len(parts.optimizer.param_groups):  # another start: a backbone/head split or not
+        if info.is_primary:
+            print(f"{note}NOT resuming {last_path}: it was started from other weights (its optimizer has "
+                  f"{saved_groups} parameter groups, this run's {len(parts.optimizer.param_groups)}: "
+                  f"{parts.init.source}); starting from scratch", file=sys.stderr)
+        return Progress()
     parts.model.load_state_dict(state["model"])
     chosen = {k: parts.optimizer.defaults.get(k) for k in ("fused", "foreach")}
     parts.optimizer.load_state_dict(state["optimizer"])
