@@ -72,11 +72,11 @@ def test_a_kill_at_any_step_of_the_swap_loses_nothing(week, step, tmp_path):
     done = swap.recover([folder / "p", folder / "p_ledger"])
     # Past the marker the new pair is complete, and the swap is finished; before it, undone.
     assert _state(folder) == (new if STEPS.index(step) >= STEPS.index("marked") else old), done
-    assert sorted(p.name for p in folder.iterdir()) == ["p", "p.work", "p_ledger", "r.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["p", "p.stat.npy", "p.work", "p_ledger", "r.json"]
     cfg = DataConfig(source=str(catalog), stored_size=8, image_size=8, prepare_workers=1)
     prepare(cfg, 0, folder / "p", folder / "r.json")  # and the next run goes on from there
     assert _state(folder) == new
-    assert sorted(p.name for p in folder.iterdir()) == ["p", "p_ledger", "r.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["p", "p.stat.npy", "p_ledger", "r.json"]
 
 
 def test_every_file_and_folder_is_fsynced_before_the_old_store_is_set_aside(week, tmp_path, monkeypatch):

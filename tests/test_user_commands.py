@@ -89,10 +89,8 @@ def user_env(home: Path, project: Path) -> dict[str, str]:
     """A user's shell: the venv's tools on PATH, the clone's code, their HOME; nothing of the test's git."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "PYTEST", "DVC_"))
            or k == "DVC_SITE_CACHE_DIR"}  # the suite's, not /var/tmp/dvc (tests/suite_plugin.py)
-    temp = home / "tmp"  # the user's temp folder (TensorBoard's .tensorboard-info, ...), not the system's
-    temp.mkdir(parents=True, exist_ok=True)
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(project / "src"),
-               HOME=str(home), GIT_CONFIG_NOSYSTEM="1", DVC_NO_ANALYTICS="1", OMP_NUM_THREADS="1", TMPDIR=str(temp))
+               HOME=str(home), GIT_CONFIG_NOSYSTEM="1", DVC_NO_ANALYTICS="1", OMP_NUM_THREADS="1")
     return env
 
 
@@ -239,8 +237,14 @@ def runs_listed(command: str, project: Path, home: Path) -> set[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # TensorBoard leaves `.tensorboard-info` in the temp folder: the user's, here. (Not for every command:
+    # under a temp folder this deep, the loaders' workers could not bind their sockets, whose paths
+    # AF_UNIX caps at 108 bytes.)
+    temp = home / "tmp"
+    temp.mkdir(exist_ok=True)
     proc = subprocess.Popen(["bash", "-c", f"exec {command} --host 127.0.0.1 --port {port}"], cwd=project,
-                            env=user_env(home, project), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env={**user_env(home, project), "TMPDIR": str(temp)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         deadline, runs = time.monotonic() + 120, {"runs": [], "loading": True}
         while time.monotonic() < deadline:
