@@ -120,7 +120,7 @@ def test_ddp_is_built_for_many_gpus_by_step_context(tmp_path, prepared, accum_st
     script = tmp_path / "probe.py"
     script.write_text(DDP_PROBE)
     params = write_params(tmp_path / "params.yaml", deterministic_params(batch_size=16, accum_steps=accum_steps))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))  # torchrun's torchelastic_* folder: here
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           str(script), str(params), str(prepared), str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=300)

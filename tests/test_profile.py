@@ -1,6 +1,7 @@
 """The profiler: scenarios with a known bottleneck, the trace, and the real TensorBoard plugin."""
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -272,6 +273,7 @@ def test_tensorboard_profiler_plugin_lists_the_run(tmp_path, prepared):
     port = _free_port()
     tb = Path(sys.executable).with_name("tensorboard")
     proc = subprocess.Popen([str(tb), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
+                            env=dict(os.environ, TMPDIR=str(tmp_path)),  # its .tensorboard-info: here
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
     try:
