@@ -246,7 +246,7 @@ def runs_listed(command: str, project: Path, home: Path) -> set[str]:
                             env={**user_env(home, project), "TMPDIR": str(temp)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        deadline, runs = time.monotonic() + 120, {"runs": [], "loading": True}
+        deadline, runs = time.monotonic() + 600, {"runs": [], "loading": True}  # a hang guard: CI's load is slow
         while time.monotonic() < deadline:
             try:
                 url = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler/runs"

@@ -157,12 +157,16 @@ def test_three_weeks_bless_promote_refuse_serve_and_roll_back(project, tmp_path)
     before = remote_tags(origin)
     gate = week(project, "week 2")
     named = {(p["given"], p["predicted"]) for p in gate["delivery"]["pairs"]}  # the check before training, repeated
-    assert named == {("red", "blue"), ("blue", "red")} and gate["delivery"]["flagged_images"] == 240
-    assert gate["delivery"]["policy"] == "hold_out" and gate["delivery"]["open_flags"] == 240
+    # How many of the 240 the champion is sure of (>= 0.8) depends on what it learnt (the CPU's numerics, the
+    # threads): most of them, and every one flagged is held out and named by promote.
+    flagged = gate["delivery"]["flagged_images"]
+    assert named == {("red", "blue"), ("blue", "red")} and 120 < flagged <= 240, flagged
+    assert gate["delivery"]["policy"] == "hold_out" and gate["delivery"]["open_flags"] == flagged
     with open(project / "data" / "delivery" / "flagged.csv", newline="") as fh:
-        assert sum(r["held_out"] == "true" for r in csv.DictReader(fh)) == 240  # what train@optimized left out
+        assert sum(r["held_out"] == "true" for r in csv.DictReader(fh)) == flagged  # what train@optimized left out
     refused = promote(project)
-    assert refused.returncode == 2 and "REFUSED" in refused.stderr and "240 flagged photo(s) open" in refused.stderr
+    assert refused.returncode == 2 and "REFUSED" in refused.stderr
+    assert f"{flagged} flagged photo(s) open" in refused.stderr
     assert "--accept-flagged" in refused.stderr and "'red'" in refused.stderr
     assert remote_tags(origin) == before
 
