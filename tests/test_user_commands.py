@@ -23,11 +23,8 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 import zlib
 from pathlib import Path
 
@@ -232,37 +229,6 @@ def test_own_images_reach_training_and_the_everyday_commands_read_the_run(user_r
     # (test_tensorboard_profiler_plugin_lists_the_run): here it must still be the same command.
     [tensorboard] = [re.sub(r"\s+#.*$", "", c) for c in everyday if c.startswith("tensorboard")]
     assert tensorboard.split() == ["tensorboard", "--logdir", "logs/profile"], tensorboard
-
-
-def runs_listed(command: str, project: Path, home: Path) -> set[str]:
-    """The runs TensorBoard's profiler plugin lists when `command` serves the project's traces."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # TensorBoard leaves `.tensorboard-info` in the temp folder: the user's, here. (Not for every command:
-    # under a temp folder this deep, the loaders' workers could not bind their sockets, whose paths
-    # AF_UNIX caps at 108 bytes.)
-    temp = home / "tmp"
-    temp.mkdir(exist_ok=True)
-    proc = subprocess.Popen(["bash", "-c", f"exec {command} --host 127.0.0.1 --port {port}"], cwd=project,
-                            env={**user_env(home, project), "TMPDIR": str(temp)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline, runs = time.monotonic() + 600, {"runs": [], "loading": True}  # a hang guard: CI's load is slow
-        while time.monotonic() < deadline:
-            try:
-                url = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler/runs"
-                with urllib.request.urlopen(url, timeout=10) as resp:
-                    runs = json.loads(resp.read())
-                if runs["runs"] and not runs["loading"]:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
-        return set(runs["runs"])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 def test_the_first_two_weeks_of_the_weekly_loop(user_run, tmp_path):
