@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cnnpipe.data import idx
+from cnnpipe.data.sources import idx
 from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.box import TimeBox

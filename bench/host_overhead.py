@@ -27,7 +27,7 @@ import torch
 from timm.utils import ModelEmaV3
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cnnpipe.data.loaders import AugmentConfig, FastTransform, _interp_matrix, crop_params
+from cnnpipe.data.loaders.transforms import AugmentConfig, FastTransform, _interp_matrix, crop_params
 from cnnpipe.train.ema import ModelEma
 from cnnpipe.train.engine import checks_loss
 from cnnpipe.train.syncs import HostSyncCounter

@@ -36,11 +36,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cnnpipe.data.decode import to_rgb
-from cnnpipe.data.encoded import build_device_decoded_loader
-from cnnpipe.data.loaders import AugmentConfig, build_train_loader
-from cnnpipe.data.store import open_split
-from cnnpipe.data.writer import StoreWriter
+from cnnpipe.data.ingest.decode import to_rgb
+from cnnpipe.data.loaders.device import build_device_decoded_loader
+from cnnpipe.data.loaders.host import build_train_loader
+from cnnpipe.data.loaders.transforms import AugmentConfig
+from cnnpipe.data.store.shards import open_split
+from cnnpipe.data.store.writer import StoreWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from store_encoding import find_photos, photo_set  # noqa: E402  (a sibling bench script)

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from cnnpipe.data.loaders import AugmentConfig, build_train_loader
-from cnnpipe.data.store import open_split
+from cnnpipe.data.loaders.host import build_train_loader
+from cnnpipe.data.loaders.transforms import AugmentConfig
+from cnnpipe.data.store.shards import open_split
 
 
 def samples_per_second(kind: str, split, batch_size: int, batches: int, image_size: int) -> float:

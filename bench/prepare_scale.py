@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 from PIL import Image, ImageDraw, ImageFilter
 
-from cnnpipe.data.ingest import usable_cores
+from cnnpipe.data.ingest.reading import usable_cores
 
 sys.path.insert(0, str(Path(__file__).parent))
 from project_copy import copy_project  # noqa: E402  (a sibling bench script)

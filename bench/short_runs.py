@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cnnpipe.data.store import read_index
+from cnnpipe.data.store.shards import read_index
 from cnnpipe.hardware import cpu_report
 from cnnpipe.params import load_params, resolve
 from cnnpipe.plan.plan import images_for

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from cnnpipe.data.loaders import ShardSampler, _UInt8Batches, shuffle_plan
-from cnnpipe.data.store import open_split
-from cnnpipe.data.writer import StoreWriter
+from cnnpipe.data.loaders.host import _UInt8Batches
+from cnnpipe.data.loaders.sampling import ShardSampler, shuffle_plan
+from cnnpipe.data.store.shards import open_split
+from cnnpipe.data.store.writer import StoreWriter
 
 
 def write_store(out: Path, images: int, size: int) -> None:

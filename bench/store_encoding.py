@@ -41,8 +41,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cnnpipe.data import codec
-from cnnpipe.data.decode import to_rgb
+from cnnpipe.data.store import codec
+from cnnpipe.data.ingest.decode import to_rgb
 
 # Photographs (not scans, charts or micrographs) in packages the project installs: (package, path).
 PACKAGE_PHOTOS = [
@@ -94,7 +94,7 @@ def photo_set(photos: list[Image.Image], size: int, channels: int) -> np.ndarray
 
 def fashion_mnist(size: int, n: int = 2000) -> np.ndarray | None:
     """The first `n` Fashion-MNIST test images at `size` px, resized as prepare does; None without the data."""
-    from cnnpipe.data import idx
+    from cnnpipe.data.sources import idx
 
     try:
         images, _ = idx.load_split(idx.locate(), "test")

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cnnpipe.data.loaders import _UInt8Batches
-from cnnpipe.data.store import PreparedSplit, open_split
-from cnnpipe.data.writer import StoreWriter
+from cnnpipe.data.loaders.host import _UInt8Batches
+from cnnpipe.data.store.shards import PreparedSplit, open_split
+from cnnpipe.data.store.writer import StoreWriter
 
 
 def resharded(split: PreparedSplit, out: Path, shard_mb: float) -> PreparedSplit:

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from cnnpipe.config import VariantConfig
-from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.store import open_split
+from cnnpipe.data.loaders.host import build_eval_loader
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.hardware import cpu_report
 from cnnpipe.models import model_mean_std
 from cnnpipe.params import load_params, resolve

@@ -53,8 +53,8 @@ ROWS = {  # row name: (variant, model overrides, train overrides)
 TOP1 = """
 import json, sys, torch
 from pathlib import Path
-from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.store import open_split
+from cnnpipe.data.loaders.host import build_eval_loader
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.train.engine import predict
 from cnnpipe.train.trained import load_trained, make_transform
 torch.set_num_threads(1)

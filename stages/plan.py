@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from cnnpipe.data.store import read_index
+from cnnpipe.data.store.shards import read_index
 from cnnpipe.files import write_json, write_text
 from cnnpipe.hardware import cpu_report
 from cnnpipe.params import ParamsError, load_params, resolve, run_config

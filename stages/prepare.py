@@ -5,9 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from cnnpipe.data.idx import DatasetMissing
+from cnnpipe.data.sources.idx import DatasetMissing
 from cnnpipe.data.prepare import DataError, prepare
-from cnnpipe.data.workers import DecodersFailed
+from cnnpipe.data.ingest.workers import DecodersFailed
 from cnnpipe.params import ParamsError, data_config, load_params
 
 

@@ -30,7 +30,7 @@ import yaml
 from filelock import FileLock
 from PIL import Image
 
-from cnnpipe.data import idx
+from cnnpipe.data.sources import idx
 from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.params import resolve
 from suite_plugin import (  # noqa: F401  (pytest finds hooks by name in a conftest)
@@ -211,6 +211,6 @@ BACKGROUND["reproduced"] = build_reproduced
 
 def meta_lines(store: Path, split: str) -> list[dict]:
     """The meta dict (source, sha256, ...) of each image of a prepared split, in the split's order."""
-    from cnnpipe.data.meta import in_folder, split_meta
+    from cnnpipe.data.store.meta import in_folder, split_meta
 
     return list(split_meta(in_folder(store), split))

@@ -16,7 +16,7 @@ import yaml
 
 from cnnpipe.config import DataConfig
 from cnnpipe.data.prepare import DataError, prepare
-from cnnpipe.data.store import open_split
+from cnnpipe.data.store.shards import open_split
 from conftest import ROOT, colour_image, meta_lines, save_image
 
 
@@ -104,7 +104,7 @@ def _params(tmp_path: Path, source: Path, workers: int) -> Path:
 PAUSED = """
 import os, runpy, signal, sys, time
 from pathlib import Path
-from cnnpipe.data.journal import Journal
+from cnnpipe.data.ingest.journal import Journal
 
 record, count, pause_at = Journal.record, [0], int(os.environ["PAUSE_AT"])
 
@@ -172,7 +172,7 @@ def test_a_killed_prepare_continues_where_it_stopped(tmp_path):
 
 def _journal_of_three(work: Path, wanted: dict, image: np.ndarray):
     """An open journal (two frames a segment) holding three decoded images: keys 0-2, pixels `image + key`."""
-    from cnnpipe.data.journal import Journal
+    from cnnpipe.data.ingest.journal import Journal
 
     journal = Journal(work, wanted, rows_per_segment=2)
     for key in range(3):
@@ -184,9 +184,9 @@ def test_a_jpeg_stores_journal_holds_records_that_become_a_shard_and_survives_a_
     """A JPEG store's journal keeps each image's JPEG record (never its pixels), segments of
     `segment_bytes`; a reopened journal keeps its whole records, and a segment's offsets make it a
     shard as it is."""
-    from cnnpipe.data import codec
-    from cnnpipe.data.journal import Journal, where
-    from cnnpipe.data.store import read_offsets
+    from cnnpipe.data.store import codec
+    from cnnpipe.data.ingest.journal import Journal, where
+    from cnnpipe.data.store.shards import read_offsets
 
     wanted, encoding = {"size": 16, "channels": 3}, {"encoding": "jpeg", "quality": 90, "codec": codec.CODEC}
     images = [np.asarray(colour_image(k, (16, 16))) for k in range(4)]
@@ -212,7 +212,7 @@ def test_a_jpeg_stores_journal_holds_records_that_become_a_shard_and_survives_a_
 
 
 def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
-    from cnnpipe.data.journal import Journal, where
+    from cnnpipe.data.ingest.journal import Journal, where
 
     wanted = {"size": 2, "channels": 3}
     image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
@@ -244,7 +244,7 @@ def test_a_journal_reopened_after_a_torn_write_keeps_every_whole_line(tmp_path):
 
 
 def test_a_journal_whose_last_frame_was_cut_decodes_that_image_again_and_never_truncates_a_shared_file(tmp_path):
-    from cnnpipe.data.journal import Journal, where
+    from cnnpipe.data.ingest.journal import Journal, where
 
     wanted = {"size": 2, "channels": 3}
     image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
@@ -306,7 +306,7 @@ def test_a_manifest_is_a_source_with_its_own_splits(tmp_path):
 
 
 def test_a_manifests_listing_is_in_split_class_path_order_whatever_the_row_order(tmp_path):
-    from cnnpipe.data.catalog import read_manifest
+    from cnnpipe.data.sources.catalog import read_manifest
 
     export = _manifest_tree(tmp_path)
     rng = np.random.default_rng(0)

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.keys import path_keys
-from cnnpipe.data.lineage import catalog_identity, path_overlap
+from cnnpipe.data.store.keys import path_keys
+from cnnpipe.data.splits.lineage import catalog_identity, path_overlap
 from cnnpipe.data.prepare import DataError, prepare
 from conftest import colour_image, save_image
 

@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_sample_image
 
-from cnnpipe.data import codec
-from cnnpipe.data.loaders import AugmentConfig, FastTransform
+from cnnpipe.data.store import codec
+from cnnpipe.data.loaders.transforms import AugmentConfig, FastTransform
 
 COLOUR_DB, GRAY_DB = 28.0, 35.0
 BOXES = [(0, 0, 427, 427), (106, 0, 533, 427), (213, 0, 640, 427), (100, 50, 300, 250)]
@@ -215,7 +215,7 @@ def test_auto_agrees_with_the_bytes_of_real_images():
     jpeg_bytes = np.mean([len(codec.encode(im)) for im in photos])
     decode_img_s = codec.measured_costs(128, 3)[1]
     assert codec.choose_encoding(128, 3, jpeg_bytes=jpeg_bytes, decode_img_s=decode_img_s).encoding == "jpeg"
-    from cnnpipe.data import idx
+    from cnnpipe.data.sources import idx
 
     try:
         fmnist, _ = idx.load_split(idx.locate(), "test")

@@ -88,7 +88,7 @@ from pathlib import Path
 
 import torch
 
-from cnnpipe.data.store import open_split
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.params import load_params, resolve
 from cnnpipe.train.distributed import cleanup, init_distributed
 from cnnpipe.train.parts import build_training, step_context

@@ -14,7 +14,7 @@ import torch
 from timm.models import register_model
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.loaders import normalize
+from cnnpipe.data.loaders.transforms import normalize
 from cnnpipe.data.prepare import prepare
 from cnnpipe.params import ParamsError, release_config
 from cnnpipe.release.delivery import OTHER_CLASSES, check_delivery, flag_pairs, grouped_holm
@@ -299,8 +299,8 @@ def test_hold_out_keeps_the_flagged_photos_out_of_training_and_the_test(tmp_path
                                                                           monkeypatch):
     """Under `hold_out` the list marks its photos; training and validation (`fit`) and the gate's test
     split open without exactly those rows; the store and its split files are untouched."""
-    from cnnpipe.data.held_out import open_kept
-    from cnnpipe.data.store import open_split
+    from cnnpipe.data.splits.held_out import open_kept
+    from cnnpipe.data.store.shards import open_split
     from cnnpipe.params import resolve
     from cnnpipe.release.verdict import run_gate
     from cnnpipe.train import trainer

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from cnnpipe.data.store import data_fingerprint
+from cnnpipe.data.store.shards import data_fingerprint
 from conftest import ROOT, base_params, colour_image, copy_project, meta_lines, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow

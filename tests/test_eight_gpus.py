@@ -9,8 +9,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from cnnpipe.data import loaders
-from cnnpipe.data.store import open_split
+from cnnpipe.data.loaders import host
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.params import resolve
 from cnnpipe.plan.plan import Recipe
 from cnnpipe.train import launch, parts
@@ -68,7 +68,7 @@ def test_local_world_size_is_torchruns_else_the_whole_world(monkeypatch):
 
 
 def fake_shm(monkeypatch, tmp_path, free_mb: int) -> None:
-    monkeypatch.setattr(loaders, "SHM", tmp_path)
+    monkeypatch.setattr(host, "SHM", tmp_path)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(free_mb << 20, 0, free_mb << 20))
 
@@ -76,9 +76,9 @@ def fake_shm(monkeypatch, tmp_path, free_mb: int) -> None:
 def test_dev_shm_is_sized_for_every_rank_on_the_node(monkeypatch, tmp_path):
     # 4 workers x 2 batches of 1 MB in flight, doubled while freed: 16 MB per rank.
     fake_shm(monkeypatch, tmp_path, free_mb=64)
-    loaders.check_shared_memory(num_workers=4, batch_bytes=1 << 20, local_ranks=4)  # 64 MB: fits
+    host.check_shared_memory(num_workers=4, batch_bytes=1 << 20, local_ranks=4)  # 64 MB: fits
     with pytest.raises(ValueError) as err:
-        loaders.check_shared_memory(num_workers=4, batch_bytes=1 << 20, local_ranks=8)
+        host.check_shared_memory(num_workers=4, batch_bytes=1 << 20, local_ranks=8)
     assert "64 MB free" in str(err.value) and "4 loader workers x 8 ranks on this node need about 128 MB" in str(
         err.value)
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.encoded import DeviceDecode, EncodedBatch, build_device_decoded_loader, gather_records
-from cnnpipe.data.loaders import AugmentConfig, build_train_loader
+from cnnpipe.data.loaders.device import DeviceDecode, EncodedBatch, build_device_decoded_loader, gather_records
+from cnnpipe.data.loaders.host import build_train_loader
+from cnnpipe.data.loaders.transforms import AugmentConfig
 from cnnpipe.data.prepare import prepare
-from cnnpipe.data.store import open_split
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.decision import tuned_settings
 from cnnpipe.profile.trials import Trial, candidates
@@ -42,7 +43,7 @@ def test_a_batchs_records_are_the_stored_records_of_its_rows(jpeg_store):
     assert offsets[0] == 0 and offsets[-1] == len(buffer) and len(offsets) == len(rows) + 1
     batch = EncodedBatch(torch.from_numpy(buffer), torch.from_numpy(offsets)).to("cpu")
     assert len(batch) == 4 and batch.shape == (4,)
-    from cnnpipe.data.codec import decode_batch
+    from cnnpipe.data.store.codec import decode_batch
     assert np.array_equal(decode_batch(buffer, offsets, split.images.frame), split.images[rows])
 
 
@@ -146,7 +147,7 @@ def test_a_measured_device_decode_is_kept_only_with_the_fast_loader(tmp_path):
 def test_a_jpeg_split_is_sized_for_the_shuffle_by_its_records_not_its_pixels(jpeg_store):
     """The page cache holds the records: a JPEG split that fits in memory as records is shuffled whole
     even where its decoded pixels would not fit."""
-    from cnnpipe.data.loaders import shuffle_plan
+    from cnnpipe.data.loaders.sampling import shuffle_plan
 
     split = open_split(jpeg_store, "train")
     records = int(gather_records(split.images, np.arange(len(split)))[1][-1])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from cnnpipe.data.store import open_split
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.run import profile_variant
 from cnnpipe.train import engine, pacing, trainer

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cnnpipe.data.loaders import AugmentConfig, FastTransform, mean_std_on
+from cnnpipe.data.loaders.transforms import AugmentConfig, FastTransform, mean_std_on
 from cnnpipe.params import load_params, resolve
 from cnnpipe.plan.plan import EXPORT_S, Recipe, recipe_from_profile, stage_seconds
 from cnnpipe.profile import clock as clock_mod

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.held_out import open_judged, open_kept
-from cnnpipe.data.ledger import HOLD
+from cnnpipe.data.splits.held_out import open_judged, open_kept
+from cnnpipe.data.splits.ledger import HOLD
 from cnnpipe.data.prepare import prepare
-from cnnpipe.data.store import new_rows, open_split, read_index
+from cnnpipe.data.store.shards import new_rows, open_split, read_index
 from cnnpipe.release.clear import main as clear_main
 from cnnpipe.release.delivery import check_delivery, write_delivery
 from cnnpipe.release.production import ProductionUnknown
@@ -178,7 +178,7 @@ def test_by_default_a_swapped_week_is_held_out_and_promote_asks_for_an_acknowled
 
 
 def test_clear_records_the_photos_a_person_cleared_and_refuses_what_is_not_a_sha256(tmp_path, capsys):
-    from cnnpipe.data.held_out import read_cleared
+    from cnnpipe.data.splits.held_out import read_cleared
     from cnnpipe.release.clear import main
 
     listed, cleared = tmp_path / "flagged.csv", tmp_path / "cleared.csv"

@@ -15,7 +15,7 @@ from timm.data import Mixup
 from timm.utils import ModelEmaV3
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cnnpipe.data.loaders import AugmentConfig, FastTransform, crop_params
+from cnnpipe.data.loaders.transforms import AugmentConfig, FastTransform, crop_params
 from cnnpipe.train import engine
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.ema import ModelEma

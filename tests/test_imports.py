@@ -1,7 +1,7 @@
 """No circle of files in src/cnnpipe: every module imports only modules that do not import it back,
 directly or through others. Every import counts, `if TYPE_CHECKING:` and function-level ones too: a
 circle hidden behind them is still a circle a reader has to untangle (the layers between packages:
-tests/test_dvc_deps.py)."""
+tests/test_dvc_deps.py). Inside src/cnnpipe/data, the rooms import one way only (`ROOMS`)."""
 
 from __future__ import annotations
 
@@ -106,3 +106,59 @@ def test_every_module_is_under_400_lines():
     assert set(over) <= SPLIT_PENDING, f"modules of {MAX_LINES} lines or more (split them): {over}"
     back = SPLIT_PENDING - set(over)
     assert not back, f"back under {MAX_LINES} lines: remove {back} from SPLIT_PENDING"
+
+
+DATA = PACKAGE / "data"
+ROOMS = ("sources", "store", "ingest", "splits", "loaders")
+"""The data package's rooms, each importing only the ones before it (src/cnnpipe/data/__init__.py says
+why the store sits under ingest and splits). prepare.py and report.py, beside them, walk the stage."""
+STAGE = {DATA / "__init__.py", DATA / "prepare.py", DATA / "report.py"}
+
+
+def _room(path: Path) -> str | None:
+    """The data room a file lives in, None outside src/cnnpipe/data/'s rooms."""
+    parts = path.relative_to(PACKAGE).parts
+    return parts[1] if len(parts) > 2 and parts[0] == "data" else None
+
+
+def upward_imports(graph: Graph) -> list[str]:
+    """Imports against the rooms' order: a room importing a later room, or prepare or report."""
+    found = []
+    for path, deps in sorted(graph.items()):
+        room = _room(path)
+        if room is None:
+            continue
+        for dep in sorted(deps):
+            dep_room = _room(dep)
+            if dep_room is not None:
+                up = ROOMS.index(dep_room) > ROOMS.index(room)
+            else:
+                up = dep in (DATA / "prepare.py", DATA / "report.py")
+            if up:
+                found.append(f"{path.relative_to(PACKAGE)} imports {dep.relative_to(PACKAGE)}")
+    return found
+
+
+def test_every_data_module_lives_in_a_room():
+    """A module left beside prepare.py would escape the order check below."""
+    loose = {p for p in DATA.rglob("*.py") if p not in STAGE and _room(p) not in ROOMS}
+    assert not loose, (f"modules outside the data rooms {ROOMS} (move each into the room of the data's life it "
+                       f"serves): {sorted(str(p.relative_to(PACKAGE)) for p in loose)}")
+
+
+def test_the_data_rooms_import_only_the_rooms_before_them():
+    found = upward_imports(file_graph())
+    assert not found, ("imports up the data rooms' order " + " < ".join(ROOMS)
+                       + " (move what both use into the earlier room): " + "; ".join(found))
+
+
+def test_the_order_check_finds_an_import_up_the_rooms():
+    """The check itself: the store importing the split ledger, or a loader importing prepare, is named."""
+    graph = file_graph()
+    shards, ledger = DATA / "store" / "shards.py", DATA / "splits" / "ledger.py"
+    host, prepare = DATA / "loaders" / "host.py", DATA / "prepare.py"
+    assert ledger in graph and not upward_imports(graph)
+    graph[shards] = graph[shards] | {ledger}
+    graph[host] = graph[host] | {prepare}
+    assert upward_imports(graph) == ["data/loaders/host.py imports data/prepare.py",
+                                     "data/store/shards.py imports data/splits/ledger.py"]

@@ -15,10 +15,10 @@ import pytest
 import simplejpeg
 
 from cnnpipe.config import DataConfig, ParamsError
-from cnnpipe.data import codec
-from cnnpipe.data.held_out import subset
+from cnnpipe.data.store import codec
+from cnnpipe.data.splits.held_out import subset
 from cnnpipe.data.prepare import prepare, prepare_fashion_mnist, store_encoding
-from cnnpipe.data.store import SHARDS, data_fingerprint, open_split, read_index
+from cnnpipe.data.store.shards import SHARDS, data_fingerprint, open_split, read_index
 from cnnpipe.train.recipe import STORE_KEYS, input_recipe, photo_input, recipe_differences, store_recipe
 from conftest import colour_image, meta_lines, save_image
 from test_shards import make_catalog, split_view, train_a_few_steps

@@ -13,17 +13,12 @@ import pytest
 import torch
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.loaders import (
-    AugmentConfig,
-    ShardSampler,
-    build_eval_loader,
-    build_train_loader,
-    eval_transform,
-    random_resized_crop,
-)
+from cnnpipe.data.loaders.host import build_eval_loader, build_train_loader
+from cnnpipe.data.loaders.sampling import ShardSampler
+from cnnpipe.data.loaders.transforms import AugmentConfig, eval_transform, random_resized_crop
 from cnnpipe.data.prepare import prepare_fashion_mnist
-from cnnpipe.data.split import balanced_subset
-from cnnpipe.data.store import open_split, read_index
+from cnnpipe.data.splits.draw import balanced_subset
+from cnnpipe.data.store.shards import open_split, read_index
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +109,7 @@ def test_balanced_subset_keeps_class_shares_and_is_fixed(prepared):
 def _store_of_shards(out: Path, n: int, rows_per_shard: int = 1) -> np.ndarray:
     """A store of `n` 4x4x3 images (image i filled with i % 251), `rows_per_shard` to a shard; returns
     the pixels in the train split's order."""
-    from cnnpipe.data.writer import StoreWriter
+    from cnnpipe.data.store.writer import StoreWriter
 
     writer = StoreWriter(out, 4, 3, shard_mb=rows_per_shard * 48 / 2**20)
     for i in range(n):
@@ -127,8 +122,9 @@ def _store_of_shards(out: Path, n: int, rows_per_shard: int = 1) -> np.ndarray:
 READ_ALL = """
 import pickle, resource, sys
 import numpy as np
-from cnnpipe.data.loaders import ShardSampler, _UInt8Batches
-from cnnpipe.data.store import open_split
+from cnnpipe.data.loaders.host import _UInt8Batches
+from cnnpipe.data.loaders.sampling import ShardSampler
+from cnnpipe.data.store.shards import open_split
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 split = open_split(sys.argv[1], "train")
 dataset = pickle.loads(pickle.dumps(_UInt8Batches(split)))  # as a spawned loader worker gets it
@@ -153,7 +149,7 @@ def test_two_thousand_shards_are_read_under_a_limit_of_256_open_files(tmp_path):
 
 
 def test_a_loader_workers_pickle_is_small_whatever_the_split(tmp_path):
-    from cnnpipe.data.loaders import _UInt8Batches
+    from cnnpipe.data.loaders.host import _UInt8Batches
 
     _store_of_shards(tmp_path / "p", 20_000, rows_per_shard=1000)
     split = open_split(tmp_path / "p", "train")
@@ -166,7 +162,7 @@ def test_a_loader_workers_pickle_is_small_whatever_the_split(tmp_path):
 
 
 def test_a_run_keeps_reading_the_store_it_started_with_while_an_update_compacts_it(tmp_path):
-    from cnnpipe.data.loaders import _UInt8Batches
+    from cnnpipe.data.loaders.host import _UInt8Batches
     from cnnpipe.data.prepare import prepare
     from conftest import colour_image, save_image
 
@@ -204,7 +200,7 @@ def test_a_shard_local_shuffle_reads_few_shards_a_batch_and_every_item_once():
 
 
 def test_the_shuffle_is_shard_local_only_for_a_split_larger_than_memory(tmp_path):
-    from cnnpipe.data.loaders import shuffle_plan
+    from cnnpipe.data.loaders.sampling import shuffle_plan
 
     _store_of_shards(tmp_path / "p", 2000, rows_per_shard=100)
     split = open_split(tmp_path / "p", "train")

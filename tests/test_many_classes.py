@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from cnnpipe.data.writer import StoreWriter
+from cnnpipe.data.store.writer import StoreWriter
 from cnnpipe.evaluate.evaluation import evaluate
 from cnnpipe.params import load_params, resolve
 from cnnpipe.train import trainer

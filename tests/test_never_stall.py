@@ -12,7 +12,7 @@ import pytest
 from PIL import Image, ImageCms
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.decode import decode_file, decoder_versions
+from cnnpipe.data.ingest.decode import decode_file, decoder_versions
 from cnnpipe.data.prepare import prepare
 from conftest import colour_image, meta_lines, save_image
 

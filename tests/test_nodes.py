@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cnnpipe.config import LAUNCH_ONLY
-from cnnpipe.data import loaders
+from cnnpipe.data.loaders import host
+from cnnpipe.data.loaders.transforms import AugmentConfig, FastTransform
 from cnnpipe.params import resolve
 from cnnpipe.plan.plan import CPU_SHARED_CORES, DDP_EFFICIENCY, world_scaling
 from cnnpipe.train import checkpoint as ckpt
@@ -65,14 +66,14 @@ def test_torchrun_uses_c10d_with_restarts_and_a_join_timeout_across_nodes():
 
 
 def test_a_small_dev_shm_stops_before_training_with_what_to_do(monkeypatch, tmp_path):
-    monkeypatch.setattr(loaders, "SHM", tmp_path)
+    monkeypatch.setattr(host, "SHM", tmp_path)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, 64 << 20))
     with pytest.raises(ValueError) as err:
-        loaders.check_shared_memory(num_workers=4, batch_bytes=256 * 3 * 224 * 224 * 4)
+        host.check_shared_memory(num_workers=4, batch_bytes=256 * 3 * 224 * 224 * 4)
     assert all(s in str(err.value) for s in ("64 MB free", "--ipc=host", "--shm-size", "train.num_workers: 0"))
-    loaders.check_shared_memory(num_workers=0, batch_bytes=10**12)  # no workers, nothing in /dev/shm
-    loaders.check_shared_memory(num_workers=2, batch_bytes=1 << 20)  # fits
+    host.check_shared_memory(num_workers=0, batch_bytes=10**12)  # no workers, nothing in /dev/shm
+    host.check_shared_memory(num_workers=2, batch_bytes=1 << 20)  # fits
 
 
 def test_loader_workers_per_rank_fit_the_node(monkeypatch):
@@ -105,7 +106,7 @@ def test_gpu_rng_states_go_to_this_gpu_or_are_dropped_on_a_cpu():
 
 
 def test_the_augmentation_rng_of_a_gpu_run_is_reseeded_on_a_cpu():
-    transform = loaders.FastTransform(loaders.AugmentConfig(28), (0.5,), (0.25,), train=True, channels_last=False,
+    transform = FastTransform(AugmentConfig(28), (0.5,), (0.25,), train=True, channels_last=False,
                                       seed=0)
     cpu_state = torch.Generator().get_state()
     assert transform.load_state({"cpu": cpu_state}, torch.device("cpu"))

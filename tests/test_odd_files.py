@@ -10,7 +10,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data import decode
+from cnnpipe.data.ingest import decode
 from cnnpipe.data.prepare import DataError, prepare
 from conftest import colour_image, meta_lines, save_image
 
@@ -51,7 +51,7 @@ def test_odd_files_are_each_listed_with_their_reason_and_the_rest_is_prepared(tm
 
 def test_any_exception_a_codec_raises_is_that_files_reason(tmp_path, monkeypatch):
     """Pillow's EXIF handling has raised TypeError on odd files: the file is listed with it, never a crash."""
-    from cnnpipe.data.workers import ingest_file
+    from cnnpipe.data.ingest.workers import ingest_file
 
     path = save_image(tmp_path / "odd exif.png", colour_image(7, (37, 23)))
     real_transpose = ImageOps.exif_transpose

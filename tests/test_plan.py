@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cnnpipe import hardware
-from cnnpipe.data.loaders import ShardSampler
+from cnnpipe.data.loaders.sampling import ShardSampler
 from cnnpipe.params import ParamsError, load_params, resolve, run_config
 from cnnpipe.plan.plan import (
     KEEP_BAND,

@@ -9,11 +9,11 @@ import pytest
 from PIL import Image
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data import idx
-from cnnpipe.data.decode import decode_file, to_rgb
+from cnnpipe.data.sources import idx
+from cnnpipe.data.ingest.decode import decode_file, to_rgb
 from cnnpipe.data.prepare import DataError, prepare, prepare_fashion_mnist
-from cnnpipe.data.split import content_split, stratified_split
-from cnnpipe.data.store import open_split, read_index
+from cnnpipe.data.splits.draw import content_split, stratified_split
+from cnnpipe.data.store.shards import open_split, read_index
 from conftest import colour_image, meta_lines, save_image
 
 
@@ -124,7 +124,7 @@ def _fake_store(store: Path, members: dict[str, list[str]]) -> None:
 def test_split_changes_and_leakage_count_what_sets_of_hashes_would(tmp_path):
     """The sorted-array versions against plain set arithmetic, with images moved (a new seed or
     fraction), gained, lost, duplicated within a split, and in two splits at once."""
-    from cnnpipe.data.previous import Tree
+    from cnnpipe.data.store.previous import Tree
     from cnnpipe.data.report import leakage, split_changes
 
     rng = np.random.default_rng(0)

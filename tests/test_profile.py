@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from cnnpipe.data.loaders import ShardSampler, TrainLoader
+from cnnpipe.data.loaders.host import TrainLoader
+from cnnpipe.data.loaders.sampling import ShardSampler
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.clock import OUT_OF_TIME, TrialClock
 from cnnpipe.profile.decision import confirm_winners, tuned_settings, tuned_speedup

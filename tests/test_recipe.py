@@ -13,8 +13,8 @@ import torch
 from cnnpipe.config import DataConfig, ModelConfig, TrainConfig, VariantConfig
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.data.prepare import prepare
-from cnnpipe.data import store as prepared_store
-from cnnpipe.data.store import open_split
+from cnnpipe.data.store import shards as prepared_store
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.deploy import predict
 from cnnpipe.evaluate.metrics import calibration_bins, expected_calibration_error
 from cnnpipe.models import model_mean_std, warm_start

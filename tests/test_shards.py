@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.loaders import AugmentConfig, build_train_loader
+from cnnpipe.data.loaders.host import build_train_loader
+from cnnpipe.data.loaders.transforms import AugmentConfig
 from cnnpipe.data.prepare import prepare
-from cnnpipe.data.split import content_split, hashed_unit
-from cnnpipe.data.store import SHARDS, data_fingerprint, open_split, read_index
+from cnnpipe.data.splits.draw import content_split, hashed_unit
+from cnnpipe.data.store.shards import SHARDS, data_fingerprint, open_split, read_index
 from conftest import colour_image, meta_lines, save_image
 
 DVC = [sys.executable, "-m", "dvc"]

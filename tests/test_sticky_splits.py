@@ -15,8 +15,8 @@ import yaml
 
 from cnnpipe.config import DataConfig
 from cnnpipe.data.prepare import DataError, prepare
-from cnnpipe.data.split import hashed_unit
-from cnnpipe.data.store import new_rows, suppliers
+from cnnpipe.data.splits.draw import hashed_unit
+from cnnpipe.data.store.shards import new_rows, suppliers
 from conftest import colour_image, meta_lines, save_image
 
 
@@ -110,7 +110,7 @@ def test_a_new_stored_size_re_decodes_but_moves_nothing(tmp_path):
 
 
 def test_a_capped_split_changes_by_the_new_photos_not_a_redraw():
-    from cnnpipe.data.sticky import stable_cap
+    from cnnpipe.data.splits.sticky import stable_cap
 
     rng = np.random.default_rng(0)
     digests = np.frombuffer(rng.bytes(32 * 1100), dtype="S32")
@@ -354,7 +354,7 @@ def test_every_photo_of_a_group_lands_in_one_split(tmp_path):
 
 
 def test_copies_and_groups_are_kept_together_through_a_chain():
-    from cnnpipe.data.sticky import colocate
+    from cnnpipe.data.splits.sticky import colocate
 
     # A, B: group 0 (test); C, D: group 1 (train); A and C the same bytes; D and E the same bytes.
     digests = np.array([b"a" * 32, b"b" * 32, b"a" * 32, b"d" * 32, b"d" * 32], dtype="S32")

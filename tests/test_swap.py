@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data import swap
+from cnnpipe.data.store import swap
 from cnnpipe.data.prepare import prepare
-from cnnpipe.data.store import data_fingerprint
+from cnnpipe.data.store.shards import data_fingerprint
 from conftest import ROOT, colour_image, save_image
 
 STEPS = ["staged", "marked", "p set aside", "p swapped in", "p_ledger set aside", "p_ledger swapped in", "unmarked"]
@@ -21,7 +21,7 @@ KILLED_AT = """
 import os, signal, sys
 from pathlib import Path
 from cnnpipe.config import DataConfig
-from cnnpipe.data import swap
+from cnnpipe.data.store import swap
 from cnnpipe.data.prepare import prepare
 
 def reached(step):

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from cnnpipe.data.loaders import build_eval_loader
+from cnnpipe.data.loaders.host import build_eval_loader
 from cnnpipe.data.prepare import prepare_fashion_mnist
-from cnnpipe.data.store import open_split
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.deploy import export, predict
 from cnnpipe.evaluate.evaluation import evaluate
 from cnnpipe.evaluate.gallery import most_confident_mistakes

@@ -20,22 +20,23 @@ import numpy as np
 from tqdm import tqdm
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data import codec, idx
-from cnnpipe.data.catalog import DataError, Listing, list_source
-from cnnpipe.data.ingest import Ingested, ingest, recipe, usable_cores
-from cnnpipe.data.journal import Journal
-from cnnpipe.data.holds import apply_holds, holds, last_list, mark_store, read_cleared, read_held_list
-from cnnpipe.data.keys import HexDigests, digest_at, path_keys
-from cnnpipe.data.ledger import RECORD, Ledger, records_from_store, write_ledger
-from cnnpipe.data.lineage import another_catalog, catalog_identity, missing_history, recorded_catalog
-from cnnpipe.data.meta import STAT_FILE, stat_cache
-from cnnpipe.data.previous import ENCODING_KEYS, FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
+from cnnpipe.data.store import codec
+from cnnpipe.data.sources import idx
+from cnnpipe.data.sources.catalog import DataError, Listing, list_source
+from cnnpipe.data.ingest.reading import Ingested, ingest, recipe, usable_cores
+from cnnpipe.data.ingest.journal import Journal
+from cnnpipe.data.splits.holds import apply_holds, holds, last_list, mark_store, read_cleared, read_held_list
+from cnnpipe.data.store.keys import HexDigests, digest_at, path_keys
+from cnnpipe.data.splits.ledger import RECORD, Ledger, records_from_store, write_ledger
+from cnnpipe.data.splits.lineage import another_catalog, catalog_identity, missing_history, recorded_catalog
+from cnnpipe.data.store.meta import STAT_FILE, stat_cache
+from cnnpipe.data.store.previous import ENCODING_KEYS, FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
 from cnnpipe.data.report import leakage, listed, mark_new, split_changes, split_codes
-from cnnpipe.data.split import content_split
-from cnnpipe.data.sticky import Assigned, assign_splits, split_rule, stable_cap
-from cnnpipe.data.store import SPLITS
-from cnnpipe.data.swap import recover, staged, swap_in
-from cnnpipe.data.writer import StoreWriter, first_serial, rows_per_shard, shard_bytes
+from cnnpipe.data.splits.draw import content_split
+from cnnpipe.data.splits.sticky import Assigned, assign_splits, split_rule, stable_cap
+from cnnpipe.data.store.shards import SPLITS
+from cnnpipe.data.store.swap import recover, staged, swap_in
+from cnnpipe.data.store.writer import StoreWriter, first_serial, rows_per_shard, shard_bytes
 from cnnpipe.files import write_json
 
 __all__ = ["DataError", "prepare", "prepare_fashion_mnist"]

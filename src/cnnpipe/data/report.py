@@ -10,10 +10,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cnnpipe.data.keys import digest_at
-from cnnpipe.data.meta import in_folder, split_keys
-from cnnpipe.data.previous import Tree
-from cnnpipe.data.store import SPLITS
+from cnnpipe.data.store.keys import digest_at
+from cnnpipe.data.store.meta import in_folder, split_keys
+from cnnpipe.data.store.previous import Tree
+from cnnpipe.data.store.shards import SPLITS
 
 LISTED = 100
 """Files listed by name in the data report, per list (all are counted; the rest are in the store)."""

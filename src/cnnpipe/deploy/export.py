@@ -20,9 +20,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.split import balanced_subset
-from cnnpipe.data.store import open_split, read_index
+from cnnpipe.data.loaders.host import build_eval_loader
+from cnnpipe.data.splits.draw import balanced_subset
+from cnnpipe.data.store.shards import open_split, read_index
 from cnnpipe.files import write_json
 from cnnpipe.monitor import process_seconds
 from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, store_recipe

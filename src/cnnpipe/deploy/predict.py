@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cnnpipe.data.decode import is_hidden
-from cnnpipe.data.store import read_index
+from cnnpipe.data.sources.catalog import is_hidden
+from cnnpipe.data.store.shards import read_index
 from cnnpipe.train.distributed import resolve_device
 from cnnpipe.train.precision import autocast
 from cnnpipe.train.recipe import LUMA, photo_input, recipe_of, to_channels

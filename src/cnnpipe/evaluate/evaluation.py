@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from cnnpipe.data.held_out import open_judged
-from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.store import read_index, test_sources
+from cnnpipe.data.splits.held_out import open_judged
+from cnnpipe.data.loaders.host import build_eval_loader
+from cnnpipe.data.store.shards import read_index, test_sources
 from cnnpipe.evaluate.gallery import most_confident_mistakes, save_gallery
 from cnnpipe.evaluate.metrics import (
     calibration_bins,

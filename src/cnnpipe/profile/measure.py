@@ -26,8 +26,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from cnnpipe.config import VariantConfig
-from cnnpipe.data.loaders import TrainLoader
-from cnnpipe.data.store import open_split
+from cnnpipe.data.loaders.host import TrainLoader
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.profile.box import TraceSteps
 from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share

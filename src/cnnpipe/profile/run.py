@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from cnnpipe.config import VariantConfig
-from cnnpipe.data.store import open_split
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.files import write_json, write_text
 from cnnpipe.monitor import peak_mem_mb, process_seconds, reset_peak_memory
 from cnnpipe.profile.box import PROBE_IMAGES, TAIL_SHARE, BoxPlan, TimeBox

@@ -14,7 +14,7 @@ import csv
 import sys
 from pathlib import Path
 
-from cnnpipe.data.held_out import CLEARED_COLUMNS, read_cleared, sha256_column
+from cnnpipe.data.splits.held_out import CLEARED_COLUMNS, read_cleared, sha256_column
 
 
 def open_rows(list_path: Path, given: str | None = None, predicted: str | None = None) -> list[dict[str, str]]:

@@ -48,9 +48,9 @@ import numpy as np
 import torch
 from scipy.stats import betabinom
 
-from cnnpipe.data.held_out import read_cleared, store_mark, subset
-from cnnpipe.data.meta import in_folder, split_meta
-from cnnpipe.data.store import PreparedSplit, SPLITS, new_rows, open_split, read_index
+from cnnpipe.data.splits.held_out import read_cleared, store_mark, subset
+from cnnpipe.data.store.meta import in_folder, split_meta
+from cnnpipe.data.store.shards import PreparedSplit, SPLITS, new_rows, open_split, read_index
 from cnnpipe.files import CHAMPION_FILE, write_json
 from cnnpipe.release.verdict import logit_batches
 from cnnpipe.release_config import DeliveryConfig, ReleaseConfig

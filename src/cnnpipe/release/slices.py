@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from cnnpipe.data.store import new_rows, suppliers
+from cnnpipe.data.store.shards import new_rows, suppliers
 
 MAX_SUPPLIERS = 20  # the largest suppliers sliced; a catalog of thousands would make gate.md a phone book
 

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from cnnpipe.release_config import ReleaseConfig
-from cnnpipe.data.held_out import open_judged
-from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.store import PreparedSplit, read_index
+from cnnpipe.data.splits.held_out import open_judged
+from cnnpipe.data.loaders.host import build_eval_loader
+from cnnpipe.data.store.shards import PreparedSplit, read_index
 from cnnpipe.files import ANCHOR_DIR, CHAMPION_FILE, file_sha256, write_json
 from cnnpipe.release.gate import GateRules, class_map, judge
 from cnnpipe.release.render import render

@@ -16,9 +16,10 @@ from timm.optim import create_optimizer_v2
 from torch.nn.parallel import DistributedDataParallel
 
 from cnnpipe.config import VariantConfig
-from cnnpipe.data.encoded import build_device_decoded_loader
-from cnnpipe.data.loaders import AugmentConfig, TrainLoader, build_train_loader
-from cnnpipe.data.store import PreparedSplit
+from cnnpipe.data.loaders.device import build_device_decoded_loader
+from cnnpipe.data.loaders.host import TrainLoader, build_train_loader
+from cnnpipe.data.loaders.transforms import AugmentConfig
+from cnnpipe.data.store.shards import PreparedSplit
 from cnnpipe.hardware import usable_cores
 from cnnpipe.models import InitInfo, create_model, model_mean_std
 from cnnpipe.train.distributed import DistInfo, local_world_size

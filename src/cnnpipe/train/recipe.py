@@ -18,8 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data import codec
-from cnnpipe.data.decode import TRANSFORM, decode_file
+from cnnpipe.data.store import codec
+from cnnpipe.data.ingest.decode import TRANSFORM, decode_file
 
 # Fashion-MNIST's store: the IDX arrays (28 px greyscale) resized with torch's antialiased bilinear.
 IDX_DECODE = "fashion-mnist-idx-bilinear-antialias"

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cnnpipe.data.loaders import build_eval_loader
-from cnnpipe.data.split import balanced_subset
-from cnnpipe.data.store import PreparedSplit
+from cnnpipe.data.loaders.host import build_eval_loader
+from cnnpipe.data.splits.draw import balanced_subset
+from cnnpipe.data.store.shards import PreparedSplit
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.engine import predict
 from cnnpipe.train.trained import load_trained, make_transform

@@ -12,7 +12,7 @@ from typing import Any
 import timm
 import torch
 
-from cnnpipe.data.loaders import eval_transform
+from cnnpipe.data.loaders.transforms import eval_transform
 from cnnpipe.train import checkpoint as ckpt
 
 

@@ -11,10 +11,11 @@ import torch
 from tqdm import tqdm
 
 from cnnpipe.config import VariantConfig
-from cnnpipe.data.held_out import held_out_digest, open_kept
-from cnnpipe.data.loaders import FastTransform, build_eval_loader
-from cnnpipe.data.split import balanced_subset
-from cnnpipe.data.store import data_fingerprint, read_index
+from cnnpipe.data.splits.held_out import held_out_digest, open_kept
+from cnnpipe.data.loaders.host import build_eval_loader
+from cnnpipe.data.loaders.transforms import FastTransform
+from cnnpipe.data.splits.draw import balanced_subset
+from cnnpipe.data.store.shards import data_fingerprint, read_index
 from cnnpipe.files import file_sha256, write_json
 from cnnpipe.hardware import usable_cores
 from cnnpipe.monitor import GpuUtilSampler, process_seconds

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from cnnpipe.data.entries import SPLIT_ALIASES, DataError, Entries, Listing
+from cnnpipe.data.sources.entries import SPLIT_ALIASES, DataError, Entries, Listing
 
 MANIFEST_SUFFIXES = {".csv": ",", ".tsv": "\t"}
 MAX_LISTED_ERRORS = 20

@@ -21,10 +21,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from cnnpipe.data import codec
-from cnnpipe.data.loaders import (AugmentConfig, FastTransform, ShardSampler, TrainLoader, check_shared_memory,
-                                  shuffle_plan)
-from cnnpipe.data.store import PreparedSplit, ShardedImages
+from cnnpipe.data.store import codec
+from cnnpipe.data.loaders.host import TrainLoader, check_shared_memory
+from cnnpipe.data.loaders.sampling import ShardSampler, shuffle_plan
+from cnnpipe.data.loaders.transforms import AugmentConfig, FastTransform
+from cnnpipe.data.store.shards import PreparedSplit, ShardedImages
 
 
 def gather_records(images: ShardedImages, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

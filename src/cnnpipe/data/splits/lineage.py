@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from cnnpipe.data.previous import Found, dvc_root
+from cnnpipe.data.store.previous import Found, dvc_root
 from cnnpipe.files import file_md5
 
 SKETCH_SIZE = 256

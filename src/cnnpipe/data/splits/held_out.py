@@ -17,8 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from cnnpipe.data.meta import in_folder, split_meta
-from cnnpipe.data.store import PreparedSplit, ShardedImages, open_split
+from cnnpipe.data.store.meta import in_folder, split_meta
+from cnnpipe.data.store.shards import PreparedSplit, ShardedImages, open_split
 
 
 def subset(split: PreparedSplit, rows: np.ndarray) -> PreparedSplit:

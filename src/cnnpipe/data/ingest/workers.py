@@ -25,8 +25,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from cnnpipe.data import codec
-from cnnpipe.data.decode import decode_bytes
+from cnnpipe.data.store import codec
+from cnnpipe.data.ingest.decode import decode_bytes
 
 CHUNK = 16              # files per task: amortises the inter-process round trip
 CHUNKS_PER_WORKER = 2   # tasks queued per worker: it never waits for work, and memory stays bounded
@@ -264,5 +264,5 @@ def _answer(worker: _Worker, timeout: float) -> object:
 
 def _failed_to_start(what: str) -> None:
     raise DecodersFailed(f"a decoding process died as it started ({what}), before it read any file: check that "
-                         "`python -c 'import cnnpipe.data.workers'` runs in this environment, and that the machine "
+                         "`python -c 'import cnnpipe.data.ingest.workers'` runs in this environment, and that the machine "
                          "has memory for data.prepare_workers processes")

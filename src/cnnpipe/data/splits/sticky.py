@@ -31,11 +31,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.entries import DataError, Listing
-from cnnpipe.data.keys import HexDigests, digest_at, path_keys
-from cnnpipe.data.ledger import GIVEN, HELD_BEFORE, RECORD, Ledger, group_prefix
-from cnnpipe.data.split import content_split, hashed_unit
-from cnnpipe.data.store import SPLITS
+from cnnpipe.data.sources.entries import DataError, Listing
+from cnnpipe.data.store.keys import HexDigests, digest_at, path_keys
+from cnnpipe.data.splits.ledger import GIVEN, HELD_BEFORE, RECORD, Ledger, group_prefix
+from cnnpipe.data.splits.draw import content_split, hashed_unit
+from cnnpipe.data.store.shards import SPLITS
 
 HELD_OUT_RANK = {split: code for code, split in enumerate(SPLITS)}  # SPLITS runs train, val, test
 SPLIT_NAMES = np.array(SPLITS, dtype=object)  # split code -> name

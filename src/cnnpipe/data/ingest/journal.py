@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from cnnpipe.data import codec
-from cnnpipe.data.keys import digest_at
-from cnnpipe.data.previous import RECIPE_FILE, read_frame
-from cnnpipe.data.store import OFFSET_DTYPE, OFFSETS
+from cnnpipe.data.store import codec
+from cnnpipe.data.store.keys import digest_at
+from cnnpipe.data.store.previous import RECIPE_FILE, read_frame
+from cnnpipe.data.store.shards import OFFSET_DTYPE, OFFSETS
 
 CHUNK = 16              # lines written per fsync at most once SYNC_EVERY_S has passed
 SYNC_EVERY_S = 1.0      # the journal's fsyncs, at most this often: each rewrites the last page of both files

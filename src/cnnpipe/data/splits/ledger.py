@@ -28,10 +28,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from cnnpipe.data.keys import find_sorted, last_of_runs, path_keys
-from cnnpipe.data.meta import split_meta
-from cnnpipe.data.previous import Tree
-from cnnpipe.data.store import SPLITS
+from cnnpipe.data.store.keys import find_sorted, last_of_runs, path_keys
+from cnnpipe.data.store.meta import split_meta
+from cnnpipe.data.store.previous import Tree
+from cnnpipe.data.store.shards import SPLITS
 
 SEGMENTS = "segments"
 RECORD = np.dtype([("digest", "S32"), ("path", "<u8"), ("group", "<u8"), ("label", "<u4"), ("split", "i1"),

@@ -47,8 +47,6 @@ except ImportError:  # pragma: no cover - listed per file with the package to in
 # changes the pixels.
 TRANSFORM = "exif-depth-white-shortside-bicubic-centre-icc-srgb-v2"
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".heic", ".heif",
-                              ".avif"})
 _NEEDS = {".heic": ("HEIC", HEIF_VERSION, "pip install pillow-heif"),
           ".heif": ("HEIF", HEIF_VERSION, "pip install pillow-heif"),
           ".avif": ("AVIF", features.check("avif") or None, "Pillow >= 11.3 built with libavif")}
@@ -69,11 +67,6 @@ def decoder_versions() -> dict[str, str | None]:
     for name in ("libjpeg_turbo", "jpg", "zlib", "libtiff", "webp", "avif", "littlecms2", "jpg_2000"):
         versions[name] = features.version(name)
     return versions
-
-
-def is_hidden(path: Path, root: Path) -> bool:
-    """A dot-file, or a file under a dot-folder below `root`: skipped by prepare and predict alike."""
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ it is JPEG (its pixels are lossy: those are decoded again from the catalog).
 
 from __future__ import annotations
 
-import array
 import functools
 import json
 import os
@@ -26,9 +25,9 @@ from typing import Any
 import numpy as np
 import yaml
 
-from cnnpipe.data.keys import digest_at, stat_key
-from cnnpipe.data.meta import STAT, read_stat_cache, split_keys
-from cnnpipe.data.store import FORMAT_VERSION, SPLITS, offsets_name
+from cnnpipe.data.store.keys import digest_at
+from cnnpipe.data.store.meta import STAT, read_stat_cache, split_keys
+from cnnpipe.data.store.shards import FORMAT_VERSION, SPLITS, offsets_name
 
 RECIPE_FILE = "recipe.json"
 ENCODING_KEYS = ("encoding", "quality", "codec")

@@ -56,9 +56,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from cnnpipe.data import codec
-from cnnpipe.data.meta import in_folder, split_meta
-from cnnpipe.data.pins import pin_store
+from cnnpipe.data.store import codec
+from cnnpipe.data.store.meta import in_folder, split_meta
+from cnnpipe.data.store.pins import pin_store
 
 FORMAT_VERSION = 2
 SPLITS = ("train", "val", "test")

@@ -24,12 +24,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from cnnpipe.data.entries import DataError
-from cnnpipe.data.held_out import read_cleared as cleared_digests, sha256_column
-from cnnpipe.data.keys import find_sorted
-from cnnpipe.data.ledger import HOLD, Ledger
-from cnnpipe.data.meta import in_folder, split_keys
-from cnnpipe.data.store import SPLITS
+from cnnpipe.data.sources.entries import DataError
+from cnnpipe.data.splits.held_out import read_cleared as cleared_digests, sha256_column
+from cnnpipe.data.store.keys import find_sorted
+from cnnpipe.data.splits.ledger import HOLD, Ledger
+from cnnpipe.data.store.meta import in_folder, split_keys
+from cnnpipe.data.store.shards import SPLITS
 from cnnpipe.files import write_json
 
 
@@ -120,7 +120,7 @@ def last_list(path: Path | None) -> Path | None:
     One recorded but unreadable is refused: its holds would be lost."""
     if path is None or Path(path).exists():
         return None if path is None else Path(path)
-    from cnnpipe.data.previous import _caches, _locked_outs, dvc_root
+    from cnnpipe.data.store.previous import _caches, _locked_outs, dvc_root
 
     root = dvc_root(Path(path))
     if root is None:

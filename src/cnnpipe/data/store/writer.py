@@ -26,10 +26,10 @@ from typing import IO, Any
 
 import numpy as np
 
-from cnnpipe.data import codec
-from cnnpipe.data.keys import stat_key
-from cnnpipe.data.meta import STAT, MetaWriter, PathOf, segment_files
-from cnnpipe.data.store import FORMAT_VERSION, OFFSET_DTYPE, SHARDS, SPLITS, offsets_name, read_offsets
+from cnnpipe.data.store import codec
+from cnnpipe.data.store.keys import stat_key
+from cnnpipe.data.store.meta import STAT, MetaWriter, PathOf, segment_files
+from cnnpipe.data.store.shards import FORMAT_VERSION, OFFSET_DTYPE, SHARDS, SPLITS, offsets_name, read_offsets
 from cnnpipe.files import write_json
 
 COMPACT_BELOW = 0.5

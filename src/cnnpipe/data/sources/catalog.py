@@ -1,7 +1,7 @@
 """What a catalog holds: the image files of an ImageFolder tree or a CSV/TSV manifest, as a listing.
 
 A folder tree is one folder per class, optionally under train/ val/ test/ folders; manifests are
-`cnnpipe.data.manifest`. Either way the listing (`entries.Listing`) has an `Entry` per image with
+`cnnpipe.data.sources.manifest`. Either way the listing (`entries.Listing`) has an `Entry` per image with
 the size and modification time read from the directory scan, so `prepare` can tell unchanged files
 without reading them.
 """
@@ -12,9 +12,18 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from cnnpipe.data.decode import IMAGE_EXTENSIONS
-from cnnpipe.data.entries import SPLIT_ALIASES, DataError, Entries, Listing, is_utf8, printable
-from cnnpipe.data.manifest import MANIFEST_SUFFIXES, read_manifest
+from cnnpipe.data.sources.entries import SPLIT_ALIASES, DataError, Entries, Listing, is_utf8, printable
+from cnnpipe.data.sources.manifest import MANIFEST_SUFFIXES, read_manifest
+
+# What a catalog counts as an image: the formats `ingest.decode` reads (HEIC/HEIF and AVIF where their
+# codecs are installed; a file it cannot decode is listed, never dropped).
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".heic", ".heif",
+                              ".avif"})
+
+
+def is_hidden(path: Path, root: Path) -> bool:
+    """A dot-file, or a file under a dot-folder below `root`: skipped by prepare and predict alike."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
 def list_source(source: str | Path, group_pattern: str | None = None) -> Listing:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from cnnpipe.data.keys import stat_key
+from cnnpipe.data.store.keys import stat_key
 
 PathOf = Callable[[str], "Path | None"]
 """Where a store's file is, by its path relative to the store (None: not there): a folder's files, or

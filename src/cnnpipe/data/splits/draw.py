@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cnnpipe.data.store import PreparedSplit
+from cnnpipe.data.store.shards import PreparedSplit
 
 
 def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -23,12 +23,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from cnnpipe.data.decode import TRANSFORM, decode_file, decoder_versions
-from cnnpipe.data.entries import Entry
-from cnnpipe.data.journal import Journal
-from cnnpipe.data.keys import path_keys, stat_key
-from cnnpipe.data.previous import PreviousStore
-from cnnpipe.data.workers import FAILED_TWICE, DecodePool, unusable
+from cnnpipe.data.ingest.decode import TRANSFORM, decode_file, decoder_versions
+from cnnpipe.data.sources.entries import Entry
+from cnnpipe.data.ingest.journal import Journal
+from cnnpipe.data.store.keys import path_keys, stat_key
+from cnnpipe.data.store.previous import PreviousStore
+from cnnpipe.data.ingest.workers import FAILED_TWICE, DecodePool, unusable
 
 CHANNELS = 3
 
