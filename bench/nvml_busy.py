@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.monitor import GpuUtilSampler
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.measure import build_setup, train_step
@@ -50,7 +51,7 @@ def main() -> None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_size=int(size)))
     tuned = {k: v for k, v in profile.get("tuned", {}).items() if k != "at_batch"}
     cfg = resolve_auto(cfg, device, tuned)
-    s = build_setup(cfg, DistInfo(device=device), args.prepared)
+    s = build_setup(cfg, DistInfo(device=device), open_split(args.prepared, "train"))
     for _ in range(args.warmup):
         train_step(s)
     sync_device(device)

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from cnnpipe.config import VariantConfig
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.hardware import cpu_report
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.measure import Setup, build_setup, train_step
@@ -79,7 +80,8 @@ def main() -> None:
     info = init_distributed("auto")
     configs = recipes(raw, args.batch, args.tuned, args.flip, info.device)
     set_threads(configs["optimized"], info)
-    speeds = interleave({name: build_setup(cfg, info, args.data) for name, cfg in configs.items()},
+    train = open_split(args.data, "train")
+    speeds = interleave({name: build_setup(cfg, info, train) for name, cfg in configs.items()},
                         args.seconds, args.steps)
     cpu = cpu_report()
     print(f"\n{cpu['model']}, {info.device}, batch {args.batch}, {len(speeds['baseline'])} rounds of "

@@ -156,3 +156,18 @@ def test_a_jpeg_split_is_sized_for_the_shuffle_by_its_records_not_its_pixels(jpe
     assert shuffle_plan(split, 16, memory_bytes=2 * records + 2) == (None, 0)  # (raw would go shard-local)
     shards, window = shuffle_plan(split, 16, memory_bytes=records)
     assert np.array_equal(shards, split.images.shard_of_each()) and window >= 2
+
+
+def test_a_jpeg_splits_offsets_are_read_once_however_many_loaders_are_built_on_it(jpeg_store, monkeypatch):
+    """The profile builds a loader per trial from the one split it opened: the shuffle's sizing reads
+    each shard's offsets the first time only (about 80 MB of them at 10M photos)."""
+    from cnnpipe.data.store import shards as shards_module
+
+    split = open_split(jpeg_store, "train")
+    reads = []
+    real = shards_module.read_offsets
+    monkeypatch.setattr(shards_module, "read_offsets", lambda path: reads.append(path) or real(path))
+    aug = AugmentConfig(image_size=split.images.frame[0])
+    for _ in range(3):
+        build_train_loader(split, kind="fast", batch_size=4, aug=aug, mean=(0.5,) * 3, std=(0.5,) * 3, seed=0)
+    assert len(reads) == len(set(split.images.shard_of_each().tolist())) and len(set(reads)) == len(reads)

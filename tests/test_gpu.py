@@ -5,6 +5,7 @@ import statistics
 import pytest
 import torch
 
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.monitor import GpuUtilSampler
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.box import TraceSteps
@@ -26,7 +27,7 @@ def cuda_config(tmp_path, **train):
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_amp_and_channels_last_train_on_cuda(tmp_path, prepared, amp):
     info = DistInfo(device=torch.device("cuda", 0))
-    s = build_setup(cuda_config(tmp_path, amp=amp, channels_last=True), info, prepared)
+    s = build_setup(cuda_config(tmp_path, amp=amp, channels_last=True), info, open_split(prepared, "train"))
     assert (grad_scaler(amp, info.device) is not None) == (amp == "fp16")
     times, totals, _ = timed_steps(s, warmup=2, steps=3)
     assert all(t > 0 for t in times) and totals["forward"] > 0
@@ -51,7 +52,7 @@ def test_item_every_step_is_host_sync_on_cuda(tmp_path, prepared):
     from test_profile import ItemEveryStep
 
     info = DistInfo(device=torch.device("cuda", 0))
-    s = build_setup(cuda_config(tmp_path, amp="bf16"), info, prepared)
+    s = build_setup(cuda_config(tmp_path, amp="bf16"), info, open_split(prepared, "train"))
     s.ctx.model = ItemEveryStep(s.ctx.model)
     step_s = statistics.median(timed_steps(s, warmup=1, steps=3)[0])
     traced = trace_window(s, tmp_path / "trace", "synced", TraceSteps(1, 2, 4), step_s)

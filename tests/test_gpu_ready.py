@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cnnpipe.data.loaders.transforms import AugmentConfig, FastTransform, mean_std_on
+from cnnpipe.data.store.shards import open_split
 from cnnpipe.params import load_params, resolve
 from cnnpipe.plan.plan import EXPORT_S, Recipe, recipe_from_profile, stage_seconds
 from cnnpipe.profile import clock as clock_mod
@@ -111,7 +112,7 @@ def test_timed_steps_wait_for_the_device_once_not_per_region(monkeypatch, tmp_pa
     waits = []
     monkeypatch.setattr(measure_mod, "sync_device", lambda d: waits.append(d))
     monkeypatch.setattr(engine_mod, "sync_device", lambda d: waits.append(d))
-    s = build_setup(config(tmp_path), DistInfo(), prepared)
+    s = build_setup(config(tmp_path), DistInfo(), open_split(prepared, "train"))
     times, totals, _ = timed_steps(s, warmup=1, steps=4)
     assert len(times) == 4 and totals["forward"] > 0
     assert len(waits) <= 2
@@ -315,7 +316,7 @@ def test_a_store_smaller_than_the_model_input_is_upsampled_per_batch(tmp_path, p
     for variant in ("optimized", "baseline"):
         cfg = config(tmp_path, variant)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_size=2 * cfg.data.stored_size))
-        s = build_setup(cfg, DistInfo(), prepared)
+        s = build_setup(cfg, DistInfo(), open_split(prepared, "train"))
         images, _ = s.next_batch()
         x = s.loader.device_transform(images)
         assert x.shape[-2:] == (2 * cfg.data.stored_size,) * 2

@@ -10,12 +10,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from cnnpipe.data.loaders.host import TrainLoader
 from cnnpipe.data.loaders.sampling import ShardSampler
+from cnnpipe.data.store.shards import PreparedSplit, open_split
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.clock import OUT_OF_TIME, TrialClock
 from cnnpipe.profile.decision import confirm_winners, tuned_settings, tuned_speedup
@@ -40,9 +42,14 @@ def config(tmp_path, variant="optimized", model=None, **train):
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def trial_ctx(cfg, prepared, base=None, requested=None, clock=None):
-    """The trials' context for `cfg` (no time limit unless `clock` says otherwise)."""
-    return TrialContext(cfg, requested or cfg, DistInfo(), prepared, base,
+RAW_SPLIT = PreparedSplit(np.zeros((40, 8, 8, 1), np.uint8), np.zeros(40, np.int64), ["a"])
+"""A raw store's split in memory, for the trials whose setups a test fakes."""
+
+
+def trial_ctx(cfg, base=None, requested=None, clock=None):
+    """The trials' context for `cfg` against `base`, reading its split (a raw one where the test fakes
+    the base); no time limit unless `clock` says otherwise."""
+    return TrialContext(cfg, requested or cfg, DistInfo(), getattr(base, "split", RAW_SPLIT), base,
                         clock or TrialClock.unlimited(cfg.profile.trial_steps))
 
 
@@ -52,7 +59,7 @@ TRACE = TraceSteps(0, 1, 2)
 def label_of(cfg, prepared, setup_hook=None, batch_gain=None):
     """The label for the measured step-time shares, the other facts fixed (utilization: a busy CPU;
     a measured one would depend on what else the machine runs)."""
-    s = build_setup(cfg, DistInfo(), prepared)
+    s = build_setup(cfg, DistInfo(), open_split(prepared, "train"))
     if setup_hook:
         setup_hook(s)
     _, totals, _ = timed_steps(s, warmup=1, steps=3)
@@ -93,8 +100,8 @@ def test_a_batch_trial_measures_both_sides_and_its_gain_names_small_batch(tmp_pa
     """The trial's verdict follows from its own numbers (how fast the doubling is depends on the
     machine); a measured gain of 1.3x on a compute-bound step is the small_batch label, 1.1x is not."""
     cfg = config(tmp_path, model="resnet18", batch_size=2)
-    current = build_setup(cfg, DistInfo(), prepared)
-    bigger = build_setup(config(tmp_path, model="resnet18", batch_size=4), DistInfo(), prepared)
+    current = build_setup(cfg, DistInfo(), open_split(prepared, "train"))
+    bigger = build_setup(config(tmp_path, model="resnet18", batch_size=4), DistInfo(), open_split(prepared, "train"))
     trial = paired_trial("batch_size", {"batch_size": 4}, current, bigger, rounds=3, steps=2, min_gain=0.05)
     low, high = trial.speedup_range
     assert trial.before_img_s > 0 and trial.after_img_s > 0 and low <= trial.speedup <= high
@@ -121,8 +128,9 @@ def test_item_every_step_is_counted_but_is_no_bottleneck_on_the_cpu(tmp_path, pr
     """On the CPU ops run synchronously, so the extra `.item()` costs ~1 us and drains nothing:
     the profile counts it (and would name host_sync on CUDA) but does not blame it for time here."""
     cfg = config(tmp_path, amp="off")
-    plain = trace_window(build_setup(cfg, DistInfo(), prepared), tmp_path / "a", "plain", TRACE, 0.1)
-    s = build_setup(cfg, DistInfo(), prepared)
+    train = open_split(prepared, "train")
+    plain = trace_window(build_setup(cfg, DistInfo(), train), tmp_path / "a", "plain", TRACE, 0.1)
+    s = build_setup(cfg, DistInfo(), open_split(prepared, "train"))
     s.ctx.model = ItemEveryStep(s.ctx.model)
     synced = trace_window(s, tmp_path / "b", "synced", TRACE, 0.1)
     assert synced["host_syncs_per_step"] == plain["host_syncs_per_step"] + 1
@@ -141,7 +149,7 @@ def test_the_trace_reads_its_steps_from_their_own_spans_not_the_window_wall(tmp_
     Counted in the last of the two traced steps, the sleep alone would put their median at half of
     it or more; a tiny model's step stays under that however loaded the machine, short of a hang."""
     cfg = config(tmp_path, amp="off")
-    s = build_setup(cfg, DistInfo(), prepared)
+    s = build_setup(cfg, DistInfo(), open_split(prepared, "train"))
     quick = trace_window(s, tmp_path / "a", "quick", TRACE, 0.1, on_trace_ready=lambda prof: None)
     handler_s = 2.0
     slow = trace_window(s, tmp_path / "b", "slow", TRACE, 0.1, on_trace_ready=lambda prof: time.sleep(handler_s))
@@ -217,12 +225,12 @@ def test_tuned_values_come_from_winning_trials_only(tmp_path):
 def test_a_mix_of_winners_is_measured_before_it_is_kept(tmp_path, prepared):
     requested = config(tmp_path)
     current = resolve_auto(requested, torch.device("cpu"))
-    base = build_setup(current, DistInfo(), prepared)
+    base = build_setup(current, DistInfo(), open_split(prepared, "train"))
     # Pretend two knobs won alone; the combined trial measures them together for real.
     trials = [Trial("channels_last", {"channels_last": False}, 1.3, (1.2, 1.4), win=True),
               Trial("num_workers", {"num_workers": 1}, 1.1, (1.06, 1.2), win=True)]
     tuned = tuned_settings(requested, current, trials)
-    kept, combined = confirm_winners(trial_ctx(current, prepared, base, requested), trials, tuned)
+    kept, combined = confirm_winners(trial_ctx(current, base, requested), trials, tuned)
     assert combined is not None and combined.change == {"channels_last": False, "num_workers": 1}
     if combined.win:
         assert kept == tuned
@@ -244,7 +252,7 @@ def test_a_single_winner_is_measured_again_before_it_is_kept(monkeypatch, tmp_pa
     flip = {"loader": "baseline" if current.train.loader == "fast" else "fast"}
     trials = [Trial("loader", flip, 1.08, (1.06, 1.36), win=True)]
     tuned = tuned_settings(requested, current, trials)
-    kept, confirm = confirm_winners(trial_ctx(current, tmp_path, requested=requested), trials, tuned)
+    kept, confirm = confirm_winners(trial_ctx(current, requested=requested), trials, tuned)
     assert measured == [("confirm", flip)] and confirm.knob == "confirm"
     if second_wins:
         assert kept == tuned and tuned_speedup(current, kept, trials, confirm) == 1.2
@@ -253,7 +261,7 @@ def test_a_single_winner_is_measured_again_before_it_is_kept(monkeypatch, tmp_pa
         assert tuned_speedup(current, kept, trials, confirm) == 1.0
     measured.clear()  # past the time box the one measured win stands, with nothing timed
     spent = TrialClock(0.0, trial_s=1.0)
-    assert confirm_winners(trial_ctx(current, tmp_path, requested=requested, clock=spent), trials, tuned) == (tuned, None)
+    assert confirm_winners(trial_ctx(current, requested=requested, clock=spent), trials, tuned) == (tuned, None)
     assert measured == []
 
 
@@ -303,8 +311,8 @@ def test_compile_is_judged_over_the_whole_run(tmp_path, prepared):
     swallowed exception is a failure here); its verdict follows from its own numbers."""
     assert shutil.which("g++") or shutil.which("c++"), "inductor needs a C++ compiler on the CPU"
     cfg = resolve_auto(config(tmp_path, compile="auto"), torch.device("cpu"))
-    base = build_setup(cfg, DistInfo(), prepared)
-    trial = compile_trial(trial_ctx(cfg, prepared, base))
+    base = build_setup(cfg, DistInfo(), open_split(prepared, "train"))
+    trial = compile_trial(trial_ctx(cfg, base))
     assert trial.knob == "compile" and trial.change == {"compile": "default"}
     assert trial.note.startswith("compile took"), trial.note
     run_gain = float(trial.note.split("; ")[1].split("x")[0])
@@ -322,7 +330,7 @@ def test_a_compile_that_fails_is_reported_not_raised(tmp_path, prepared, monkeyp
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
 
     monkeypatch.setattr(trials_mod, "build_setup", no_compiler)
-    trial = trials_mod.compile_trial(trial_ctx(cfg, prepared))
+    trial = trials_mod.compile_trial(trial_ctx(cfg))
     assert not trial.win and trial.speedup == 0.0
     assert trial.note == "compile failed: RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
 
@@ -339,7 +347,7 @@ def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(mo
 
     monkeypatch.setattr(prof, "build_setup", lambda *a: object())
     monkeypatch.setattr(prof, "paired_trial", fake_trial)
-    grown = prof.batch_trials(trial_ctx(cfg, tmp_path), max_doublings=3)
+    grown = prof.batch_trials(trial_ctx(cfg), max_doublings=3)
     assert [t.change["batch_size"] for t in grown] == [32, 64]
     assert grown[0].win and not grown[1].win and "batch 32" in grown[1].note
 
@@ -347,7 +355,7 @@ def test_batch_growth_stops_when_a_doubling_no_longer_pays_or_memory_runs_out(mo
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(prof, "build_setup", oom)
-    (only,) = prof.batch_trials(trial_ctx(cfg, tmp_path))
+    (only,) = prof.batch_trials(trial_ctx(cfg))
     assert not only.win and only.note == "out of memory" and only.change == {"batch_size": 32}
 
 
@@ -362,7 +370,7 @@ def test_batch_growth_stops_at_the_training_images_a_process_has(monkeypatch, tm
     monkeypatch.setattr(prof, "paired_trial",
                         lambda knob, change, *a: Trial(knob, change, 1.5, (1.4, 1.6), 1, 1.5, True))
     base = types.SimpleNamespace(loader=types.SimpleNamespace(sampler=types.SimpleNamespace(n=40)))
-    grown = prof.batch_trials(trial_ctx(cfg, tmp_path, base=base), max_doublings=3)
+    grown = prof.batch_trials(trial_ctx(cfg, base=base), max_doublings=3)
     assert [t.change["batch_size"] for t in grown] == [32, 64] and grown[0].win
     assert not grown[1].win and grown[1].note == "not measured: over the 40 training images a process has an epoch"
 
@@ -382,10 +390,10 @@ def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(mon
     monkeypatch.setattr(prof, "build_setup", lambda *a: object())
     monkeypatch.setattr(prof, "paired_trial", fake_trial)
     none = config(tmp_path, batch_size=256, min_steps=None)
-    assert prof.smaller_batch_trials(trial_ctx(none, tmp_path), prof.smaller_batches(none), {}, 1.0) == []
+    assert prof.smaller_batch_trials(trial_ctx(none), prof.smaller_batches(none), {}, 1.0) == []
     requested = config(tmp_path, batch_size=256, min_steps=500, channels_last="auto")
     cfg = resolve_auto(requested, torch.device("cpu"))
-    entries = prof.smaller_batch_trials(trial_ctx(cfg, tmp_path, requested=requested), prof.smaller_batches(cfg),
+    entries = prof.smaller_batch_trials(trial_ctx(cfg, requested=requested), prof.smaller_batches(cfg),
                                         {"channels_last": True}, 1.25)
     assert [e["change"]["batch_size"] for e in entries] == [128, 64]  # down to MIN_BATCH
     assert [k for k, _ in measured] == ["smaller_batch", "channels_last"] * 2
@@ -397,7 +405,7 @@ def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(mon
     # Explicit layouts are never re-tuned.
     measured.clear()
     fixed = config(tmp_path, batch_size=256, min_steps=500, channels_last=True)
-    prof.smaller_batch_trials(trial_ctx(fixed, tmp_path), prof.smaller_batches(fixed), {}, 1.0)
+    prof.smaller_batch_trials(trial_ctx(fixed), prof.smaller_batches(fixed), {}, 1.0)
     assert [k for k, _ in measured] == ["smaller_batch", "smaller_batch"]
     result = {"variant": "optimized", "step_time_median_s": 0.1, "throughput_img_s": 100.0, "fractions": {},
               "bottleneck": "compute", "recommendations": [], "trials": [], "combined_trial": None, "tuned": {},
@@ -468,11 +476,11 @@ def test_candidates_the_hardware_rules_out_are_not_timed_unless_asked(monkeypatc
     monkeypatch.setattr(trials_mod, "paired_trial",
                         lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
     cfg = config(tmp_path, amp="off")
-    results = trials_mod.run_trials(trial_ctx(cfg, tmp_path), set())
+    results = trials_mod.run_trials(trial_ctx(cfg), set())
     assert timed == ["loader"] and results[0].note.startswith("not measured") and not results[0].win
     forced = resolve(load_params(write_params(tmp_path / "forced.yaml", {**tiny_params(),
                      "profile": {**tiny_params()["profile"], "trial_ruled_out": True}})), "optimized")
-    trials_mod.run_trials(trial_ctx(forced, tmp_path), set())
+    trials_mod.run_trials(trial_ctx(forced), set())
     assert timed == ["loader", "amp", "loader"]
     monkeypatch.setattr(trials_mod, "cpu_has_fast_bf16", lambda: True)
     assert trials_mod.ruled_out({"amp": "bf16"}, torch.device("cpu")) == ""
@@ -496,13 +504,13 @@ def test_a_spent_time_box_notes_the_remaining_trials_instead_of_timing_them(monk
                         lambda knob, change, *a: timed.append(knob) or Trial(knob, change, 0.9))
     cfg = config(tmp_path)
     spent = TrialClock(0.0, trial_s=1.0)
-    results = trials_mod.run_trials(trial_ctx(cfg, tmp_path, clock=spent), set())
+    results = trials_mod.run_trials(trial_ctx(cfg, clock=spent), set())
     assert timed == [] and results and all(r.note == OUT_OF_TIME for r in results)
     assert results[-1].knob == "batch_size" and not any(r.win for r in results)
     wins = [Trial("amp", {"amp": "off"}, 1.2, win=True), Trial("loader", {"loader": "baseline"}, 1.1, win=True)]
     requested = config(tmp_path, amp="auto", loader="auto")
     current = resolve_auto(requested, torch.device("cpu"))
-    kept, combined = confirm_winners(trial_ctx(current, tmp_path, requested=requested, clock=spent), wins,
+    kept, combined = confirm_winners(trial_ctx(current, requested=requested, clock=spent), wins,
                                       tuned_settings(requested, current, wins))
     assert kept["amp"] == "off" and kept["loader"] == current.train.loader
     assert combined.note.startswith("not measured") and "kept only amp=off" in combined.note

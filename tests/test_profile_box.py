@@ -237,9 +237,9 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
 
 def test_a_trial_context_at_another_base_keeps_everything_else():
     clock = object()
-    ctx = TrialContext(cfg="cfg@64", requested="asked", info="info", prepared_dir="data", base=None, clock=clock)
+    ctx = TrialContext(cfg="cfg@64", requested="asked", info="info", split="train", base=None, clock=clock)
     base = SimpleNamespace(cfg="cfg@128")
     at = ctx.at(base)
-    assert (at.cfg, at.base, at.requested, at.info, at.prepared_dir, at.clock) == (
-        "cfg@128", base, "asked", "info", "data", clock)
+    assert (at.cfg, at.base, at.requested, at.info, at.split, at.clock) == (
+        "cfg@128", base, "asked", "info", "train", clock)
     assert ctx.cfg == "cfg@64" and ctx.base is None  # a new context: the trials' own is unchanged

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.loaders.host import TrainLoader
-from cnnpipe.data.store.shards import open_split
+from cnnpipe.data.store.shards import PreparedSplit
 from cnnpipe.profile.box import TraceSteps
 from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
@@ -91,9 +91,8 @@ class Setup:
     loader: TrainLoader
     images_per_step: int
     steps_per_epoch: int
-    in_chans: int
-    encoding: str = "raw"
-    """The store's (`raw` or `jpeg`): whether there is a decode to place."""
+    split: PreparedSplit
+    """The training split its loader reads, opened once for every setup of a profile."""
     step: int = 0
     _iter: Iterator | None = None
     _epoch: int = 0
@@ -101,6 +100,15 @@ class Setup:
     @property
     def device(self) -> torch.device:
         return self.ctx.device
+
+    @property
+    def in_chans(self) -> int:
+        return self.split.channels
+
+    @property
+    def encoding(self) -> str:
+        """The store's (`raw` or `jpeg`): whether there is a decode to place."""
+        return self.split.encoding
 
     def next_batch(self):
         if self._iter is None:
@@ -114,15 +122,15 @@ class Setup:
             return next(self._iter)
 
 
-def build_setup(cfg: VariantConfig, info: DistInfo, prepared_dir: Path) -> Setup:
-    """Model, optimizer, LR schedule and loader built by the same code as `fit`: what is timed is what trains."""
+def build_setup(cfg: VariantConfig, info: DistInfo, split: PreparedSplit) -> Setup:
+    """Model, optimizer, LR schedule and loader built by the same code as `fit`: what is timed is what
+    trains. `split`: the training split, opened once per profile (what its store weighs is read once)."""
     cfg = resolve_auto(cfg, info.device)
     torch.manual_seed(cfg.seed)
-    parts = build_training(cfg, info, open_split(prepared_dir, "train"))
+    parts = build_training(cfg, info, split)
     ctx, _ = step_context(cfg, parts, info, parts.schedule)
     ctx.model.train()
-    return Setup(cfg, ctx, parts.loader, parts.global_batch, parts.steps_per_epoch, parts.split.channels,
-                 parts.split.encoding)
+    return Setup(cfg, ctx, parts.loader, parts.global_batch, parts.steps_per_epoch, split)
 
 
 def train_step(s: Setup, timer: RegionTimer | None = None, limit: int | None = None) -> None:

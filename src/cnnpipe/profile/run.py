@@ -70,13 +70,14 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     slow for the box), the trace, the smaller batches' speeds, the inference timing and the trials.
     """
     # A catalog smaller than the batch: measure the batch training will halve to (it cannot step at this one).
-    requested = fit_batch_to_split(requested, len(open_split(prepared_dir, "train")), info.world_size)
+    train = open_split(prepared_dir, "train")  # once: every setup and trial reads this one
+    requested = fit_batch_to_split(requested, len(train), info.world_size)
     cfg = resolve_auto(requested, info.device)  # profile the defaults; the trials test the alternatives
     t = cfg.train
     box = box or TimeBox.from_process_start(time_box_s, process_seconds())
     reset_peak_memory(info.device)
     t0 = time.perf_counter()
-    setup = build_setup(cfg, info, prepared_dir)
+    setup = build_setup(cfg, info, train)
     setup_s = time.perf_counter() - t0
     startup_s = process_seconds()  # imports, data and model: what each later stage pays before its first step
     probe_s = probe_per_image(setup, PROBE_IMAGES) * t.accum_steps  # per image of train.batch_size (x accum)
@@ -87,7 +88,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         base = setup
     else:
         del setup  # (its model and optimizer state: the base builds its own)
-        base = build_setup(measured, info, prepared_dir)
+        base = build_setup(measured, info, train)
     times, totals, cpu_util = timed_steps(base, warmup=1, steps=plan.base_steps())
     step_s = statistics.median(times)
     per_image_s = step_s / base.images_per_step
@@ -100,9 +101,9 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     training_s = t.epoch_count * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
     batches = smaller_batches(cfg) if with_trials else []
     trials = plan.trials(step_s, per_image_s, batches, training_s, inference.batch)
-    ctx = TrialContext(measured, requested, info, prepared_dir, base, trials.clock)
+    ctx = TrialContext(measured, requested, info, train, base, trials.clock)
     if with_trials and trials.batch != batch:  # not one full trial fits at the measured batch: a smaller one
-        ctx = ctx.at(build_setup(measured.with_train(batch_size=trials.batch), info, prepared_dir))
+        ctx = ctx.at(build_setup(measured.with_train(batch_size=trials.batch), info, train))
     facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=batch,
                   utilization=cpu_util if info.device.type == "cpu" else traced["gpu_busy_frac"],

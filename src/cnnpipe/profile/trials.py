@@ -7,12 +7,12 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from cnnpipe.config import VariantConfig
+from cnnpipe.data.store.shards import PreparedSplit
 from cnnpipe.hardware import cpu_has_fast_bf16
 from cnnpipe.profile.box import PREDICTED
 from cnnpipe.profile.clock import COMPILE_S, OUT_OF_TIME, TrialClock
@@ -53,14 +53,15 @@ class TrialContext:
     """The profiled config, resolved, at the batch the profile measures at."""
     requested: VariantConfig
     info: DistInfo
-    prepared_dir: Path
+    split: PreparedSplit
+    """The training split every candidate reads (opened once by the profile)."""
     base: Setup
     clock: TrialClock
 
     @property
     def encoding(self) -> str:
-        """The store's encoding (`raw` without a base setup)."""
-        return self.base.encoding if self.base is not None else "raw"
+        """The store's encoding: `jpeg` puts a decode among the candidates."""
+        return self.split.encoding
 
     def at(self, base: Setup) -> TrialContext:
         """The same trials measured against `base` instead, at its config (another batch)."""
@@ -68,7 +69,7 @@ class TrialContext:
 
     def build(self, **change: Any) -> Setup:
         """A setup of the profiled config with `change` applied."""
-        return build_setup(self.cfg.with_train(**change), self.info, self.prepared_dir)
+        return build_setup(self.cfg.with_train(**change), self.info, self.split)
 
     def paired(self, knob: str, change: dict[str, Any], candidate: Setup, current: Setup | None = None,
                rounds: int | None = None) -> Trial:
@@ -274,7 +275,7 @@ def smaller_batch_trials(ctx: TrialContext, batches: Sequence[int], tuned: dict[
             out.append({**Trial("smaller_batch", {"batch_size": batch}, 1.0, (1.0, 1.0), note=PREDICTED).to_dict(),
                         **entry, "predicted": True, "speed_vs_tuned": 1.0})
             continue
-        at_batch = build_setup(recipe.with_train(batch_size=batch), ctx.info, ctx.prepared_dir)
+        at_batch = build_setup(recipe.with_train(batch_size=batch), ctx.info, ctx.split)
         trial = ctx.paired("smaller_batch", {"batch_size": batch}, at_batch, rounds=rounds)
         trial.win = False  # measured for the plan, never tuned: the batch changes the optimisation
         if rounds < p.trial_rounds:
@@ -282,7 +283,7 @@ def smaller_batch_trials(ctx: TrialContext, batches: Sequence[int], tuned: dict[
         entry, gain = {**trial.to_dict(), **entry}, 1.0
         for knob in [] if ctx.clock.out_of_time() else retune:  # (the speed itself always: the plan needs it)
             flip = {knob: not getattr(recipe.train, knob), "batch_size": batch}
-            other = build_setup(recipe.with_train(**flip), ctx.info, ctx.prepared_dir)
+            other = build_setup(recipe.with_train(**flip), ctx.info, ctx.split)
             knob_trial = ctx.paired(knob, flip, other, current=at_batch)
             entry["knob_trials"].append(knob_trial.to_dict())
             if knob_trial.win:
