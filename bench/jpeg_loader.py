@@ -14,7 +14,7 @@ device transform (random-resized crop, flip, normalise at the stored size), chan
 autocast and SGD, after two warm-up steps, the raw and the JPEG store in alternating rounds
 (`--rounds`): training img/s from each, and JPEG against raw. `--device cuda` trains on the GPU
 (`bench/gpu_checks.sh`); `--decode cpu device` adds a third feed, the JPEG store's batches decoded
-by nvJPEG on the device (`data.encoded`).
+by nvJPEG on the device (`data.loaders.device`).
 
     python bench/jpeg_loader.py                                # 64 and 128 px, 0 and 2 workers
     python bench/jpeg_loader.py --sizes 128 --workers 2 --images 8192

@@ -298,7 +298,7 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
     """Write the prepared data set to `out_dir`, its split ledger to `ledger_dir` (default: beside
     it, `<out_dir>_ledger`) and the data report to `report_path`. The photos the last delivery list
     `held_out` holds out, and those the ledger already holds, stay held under their label unless
-    cleared in `cleared` (`data.holds`).
+    cleared in `cleared` (`data.splits.holds`).
 
     The new store and ledger are written beside the old ones (`<name>.new`) and swapped in by renames
     (`swap`), so no file of the old store is ever rewritten: a trainer that has it memory-mapped (a

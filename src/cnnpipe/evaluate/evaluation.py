@@ -102,7 +102,7 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
     the fitted temperature), calibration_raw.csv (without) and mistakes.png to `out_dir`; the test
     photos the delivery check's list `held_out` holds out, and those whose bytes were ever in a training
     split (a model may have memorised them: counted in `once_trained_on_left_out`), are left out
-    (`data.held_out.open_judged`)."""
+    (`data.splits.held_out.open_judged`)."""
     model, meta = load_trained(model_dir, device)
     split, kept, memorised = open_judged(prepared_dir, "test", held_out, limit=max_images)
     loader = build_eval_loader(split, batch_size=256)

@@ -30,9 +30,9 @@ per-class thresholds.
 
 The flagged photos (a flagged pair's confident disagreements, or all of a flagged class's when none of its
 pairs stands out on its own) are listed by file; under `policy: hold_out` (the default) their lines say so and
-training, evaluation and the gate leave them out (`data.held_out`); the next prepare records the hold in the
+training, evaluation and the gate leave them out (`data.splits.held_out`); the next prepare records the hold in the
 split ledger, and every later week lists the photos still held (`status: held`) until their label changes or a
-person clears them in `data/delivery/cleared.csv` (`data.holds`; a cleared photo is listed, never held).
+person clears them in `data/delivery/cleared.csv` (`data.splits.holds`; a cleared photo is listed, never held).
 Nothing is removed from the store, the catalog or the split ledger.
 """
 
@@ -163,7 +163,7 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
 
 
 def _sources(prepared_dir: Path, split: str, rows: np.ndarray) -> list[dict[str, Any]]:
-    """Source path and sha256 of the given rows of `split` (their meta lines, `data.meta`)."""
+    """Source path and sha256 of the given rows of `split` (their meta lines, `data.store.meta`)."""
     return [{"source": meta.get("source"), "sha256": meta.get("sha256")}
             for meta in split_meta(in_folder(prepared_dir), split, rows)]
 

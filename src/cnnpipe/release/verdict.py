@@ -92,7 +92,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
     week's relabels (from prepare's `data_report`) are reported beside the verdict, and the delivery
     check's flags when its report `delivery` exists; the test photos its list `held_out` holds out,
     and those whose bytes were ever in a training split (a model may have memorised them), are left
-    out of both models' test (`data.held_out.open_judged`), the latter counted in the verdict."""
+    out of both models' test (`data.splits.held_out.open_judged`), the latter counted in the verdict."""
     index = read_index(prepared_dir)
     classes, store = list(index["classes"]), store_recipe(index)
     split, kept, memorised = open_judged(prepared_dir, "test", held_out)

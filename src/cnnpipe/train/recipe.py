@@ -1,6 +1,6 @@
 """A model's input recipe: every step from a raw photo to the tensor the model was trained on.
 
-The decode to the stored square (`data.decode` for photo files, its rules named by TRANSFORM), the
+The decode to the stored square (`data.ingest.decode` for photo files, its rules named by TRANSFORM), the
 channels (ITU-R 601 luma for a greyscale model), how the store keeps it (`stored_as`: raw, or JPEG at
 a quality, whose round trip a photo then goes through too), the resize to the input size and the
 mean/std.

@@ -43,7 +43,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     `tuned` holds the profile's measured values for knobs the params leave at `auto`. `epoch_hook`
     (benchmarks) is called with the model after each epoch's validation, outside the timed epoch;
     what it returns joins that epoch's record. `held_out`: the delivery check's list; the training
-    and validation photos it holds out are left out (`data.held_out`).
+    and validation photos it holds out are left out (`data.splits.held_out`).
     """
     t_start = time.perf_counter()
     train_split, _ = open_kept(prepared_dir, "train", held_out)

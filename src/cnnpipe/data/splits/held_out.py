@@ -1,5 +1,5 @@
 """Photos held out: the delivery check's flagged photos under `release.delivery.policy: hold_out`
-(its list) and those the split ledger still holds (the store's `<split>_held.npy`, `data.holds`),
+(its list) and those the split ledger still holds (the store's `<split>_held.npy`, `data.splits.holds`),
 kept out of training, validation and the test split until a person clears them or their label
 changes; and, for judging a model, the test photos that were ever in a training split.
 

@@ -14,7 +14,7 @@ Layout of a prepared directory::
     <split>_rows.npy         (N, 2) int32: each image's shard (its place in index.json's list) and row
     <split>_labels.npy       int64 labels
     <split>_new.npy          bool: the image's bytes are new since the previous store (`new_rows`)
-    <split>_arrived.npy      int32: the split ledger's segment its bytes first arrived in (`data.holds`;
+    <split>_arrived.npy      int32: the split ledger's segment its bytes first arrived in (`data.splits.holds`;
                              index.json's `generation` counts the segments)
     <split>_trained.npy      bool: its bytes were ever in a training split (the ledger)
     <split>_held.npy         bool: held out by the delivery check until relabelled or cleared
