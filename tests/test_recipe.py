@@ -93,6 +93,16 @@ def test_a_photo_predicted_from_its_file_is_predicted_as_through_the_store(store
     assert not torch.allclose(sharp.probabilities(np.stack([sharp.decode(f) for f in files])), expected, atol=1e-3)
 
 
+def gate_verdict(champion: Path, challenger: Path, root: Path, tmp_path: Path) -> dict:
+    """The gate's verdict on `challenger` against `champion` on the store's test images, without floors
+    (the challenger's evaluation reads a top-1 of 0.9)."""
+    metrics = tmp_path / "metrics"
+    metrics.mkdir(exist_ok=True)
+    (metrics / "eval.json").write_text(json.dumps({"top1": 0.9}))
+    return run_gate(ReleaseConfig(floors={}), champion, challenger, metrics, root / "prepared", tmp_path / "out",
+                    torch.device("cpu"))
+
+
 def test_the_gate_judges_each_model_by_its_recipe_and_like_for_like(store, tmp_path):
     """The champion knows red and green only; the challenger also blue. Both run on the same stored test
     images; the comparison covers the red and green ones, with the challenger's answer among red and
@@ -101,11 +111,7 @@ def test_the_gate_judges_each_model_by_its_recipe_and_like_for_like(store, tmp_p
     champion = make_model(tmp_path / "champion", ["green", "red"], data, seed=2)
     (champion / "champion.json").write_text(json.dumps({"version": "v0.1.0", "commit": "a" * 40}))
     challenger = make_model(tmp_path / "challenger", CLASSES, data, seed=3)
-    (tmp_path / "metrics").mkdir()
-    (tmp_path / "metrics" / "eval.json").write_text(json.dumps({"top1": 0.9}))
-    cfg = ReleaseConfig(floors={})
-    verdict = run_gate(cfg, champion, challenger, tmp_path / "metrics", root / "prepared", tmp_path / "out",
-                       torch.device("cpu"))
+    verdict = gate_verdict(champion, challenger, root, tmp_path)
     split = open_split(root / "prepared", "test")
     assert split.classes == CLASSES
     old = np.isin(split.labels, [CLASSES.index("red"), CLASSES.index("green")])
@@ -114,8 +120,7 @@ def test_the_gate_judges_each_model_by_its_recipe_and_like_for_like(store, tmp_p
     assert (tmp_path / "out" / "gate.md").read_text().startswith("# Gate: ")
     elsewhere = make_model(tmp_path / "other", ["green", "red"], DataConfig(stored_size=32, image_size=24), seed=2)
     (elsewhere / "champion.json").write_text(json.dumps({"version": "v0.1.0", "commit": "a" * 40}))
-    refused = run_gate(cfg, elsewhere, challenger, tmp_path / "metrics", root / "prepared", tmp_path / "out",
-                       torch.device("cpu"))
+    refused = gate_verdict(elsewhere, challenger, root, tmp_path)
     assert not refused["blessed"] and any("stored_size: 32 != 16" in r for r in refused["reasons"])
 
 
@@ -130,11 +135,7 @@ def test_the_gate_measures_the_drift_from_the_anchor_the_champion_stage_fetched(
               "same_as_champion": False, "why": "v0.1.0, the last model shown within the margin"}
     (champion / "champion.json").write_text(json.dumps({"version": "v0.2.0", "commit": "a" * 40, "anchor": anchor}))
     challenger = make_model(tmp_path / "challenger", CLASSES, data, seed=3)
-    (tmp_path / "metrics").mkdir()
-    (tmp_path / "metrics" / "eval.json").write_text(json.dumps({"top1": 0.9}))
-    cfg = ReleaseConfig(floors={})
-    verdict = run_gate(cfg, champion, challenger, tmp_path / "metrics", root / "prepared", tmp_path / "out",
-                       torch.device("cpu"))
+    verdict = gate_verdict(champion, challenger, root, tmp_path)
     split = open_split(root / "prepared", "test")
     theirs = through_the_store(champion / "anchor", root / "prepared").argmax(1).numpy()
     ours = through_the_store(challenger, root / "prepared").argmax(1).numpy()
@@ -145,8 +146,7 @@ def test_the_gate_measures_the_drift_from_the_anchor_the_champion_stage_fetched(
                                                                                               "path", "sha256")}
     assert verdict["anchor_next"] == expected
     assert "Drift from the anchor" in (tmp_path / "out" / "gate.md").read_text()
-    first = run_gate(cfg, tmp_path / "nobody", challenger, tmp_path / "metrics", root / "prepared", tmp_path / "out",
-                     torch.device("cpu"))
+    first = gate_verdict(tmp_path / "nobody", challenger, root, tmp_path)
     assert first["first_model"] and first["anchor_next"] == {"self": True}
 
 
