@@ -54,7 +54,8 @@ def listing(dir_md5: str, stores: Stores) -> dict[str, str]:
                                      f"(md5 {hashlib.md5(raw).hexdigest()}.dir, recorded {dir_md5})")
             return {entry["relpath"]: entry["md5"] for entry in json.loads(raw)}
     raise ModelUnchecked(f"{' and '.join(name for name, _ in stores)} lack{'s' if len(stores) == 1 else ''} "
-                         f"the folder listing {dir_md5}")
+                         f"the folder listing {dir_md5}: run `dvc push` where the model was promoted (its cache holds "
+                         "it), then `dvc pull` here")
 
 
 def recorded_md5(lock_text: str, path: str, stores: Stores) -> str:
