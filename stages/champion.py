@@ -3,7 +3,8 @@
 Runs on every `dvc repro` (an assignment can move without any file changing); its output changes
 only when the champion does, so nothing downstream reruns otherwise. It reads the git remote's tags
 first (`release.remote`) and fails, naming the fix, when what is in production cannot be told for
-sure: a remote it cannot reach, tags that differ, unpublished local tags, a deprecated artifact.
+sure: a remote it cannot reach, tags that differ, unpublished local tags, a deprecated artifact; and
+refuses a model whose md5 is not the one its commit's dvc.lock records (the old champion stays).
 """
 
 import argparse
@@ -11,8 +12,9 @@ import sys
 from pathlib import Path
 
 from cnnpipe.params import ParamsError, load_params, release_config
-from cnnpipe.release.champion import fetch_champion
+from cnnpipe.release.champion import Mismatch, fetch_champion
 from cnnpipe.release.production import ProductionUnknown
+from cnnpipe.release.remote import ModelUnchecked
 
 
 def main() -> int:
@@ -32,6 +34,9 @@ def main() -> int:
         about = fetch_champion(Path(args.repo).resolve(), cfg, Path(args.out), args.verdict)
     except (KeyError, ProductionUnknown) as exc:
         print(f"champion: {exc}", file=sys.stderr)
+        return 2
+    except (ModelUnchecked, Mismatch) as exc:  # not shown to be the bytes judged: never trained from or judged against
+        print(f"champion: REFUSED: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # DVC could not fetch the promoted model: say what to do
         print(f"champion: could not fetch the model in {cfg.stage!r} ({exc.__class__.__name__}: {exc}). Run "

@@ -1,9 +1,10 @@
-"""Serve what was judged: `release.fetch` checks the served bytes against the promoted commit's
-dvc.lock, `release.verify` checks the DVC remote holds the model, promote refuses a tree git does not
-hold and a commit off the remote's main. A real (tiny) DVC project: a `train@optimized` stage that
-writes the model folder, a gate stage that blesses it, a bare git remote and a DVC remote on disk,
-GTO tags written as GTO writes them."""
+"""Serve what was judged: `release.fetch` and the champion stage check the served bytes against the
+promoted commit's dvc.lock, `release.verify` checks the DVC remote holds the model, promote refuses a
+tree git does not hold and a commit off the remote's main. A real (tiny) DVC project: a
+`train@optimized` stage that writes the model folder, a gate stage that blesses it, a bare git
+remote and a DVC remote on disk, GTO tags written as GTO writes them."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -12,8 +13,12 @@ from pathlib import Path
 import pytest
 
 from cnnpipe.release import promote as promote_mod
+from cnnpipe.release.champion import fetch_champion
 from cnnpipe.release.fetch import Mismatch, fetch_production
+from cnnpipe.release.remote import ModelUnchecked, recorded_md5
+from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.files import file_md5
+from conftest import ROOT
 
 ENV = {"GIT_AUTHOR_NAME": "Product Owner", "GIT_AUTHOR_EMAIL": "po@example.com",
        "GIT_COMMITTER_NAME": "Product Owner", "GIT_COMMITTER_EMAIL": "po@example.com", "DVC_NO_ANALYTICS": "1"}
@@ -102,6 +107,36 @@ def test_fetch_serves_the_judged_bytes_and_refuses_others(promoted, tmp_path):
         assert cli.returncode == 2 and "fetch: REFUSED: the bytes served for models/optimized/best.pt" in cli.stderr
     finally:
         stored.write_bytes(judged)
+
+
+def test_the_champion_stage_refuses_a_cached_champion_that_is_not_what_was_judged(promoted, tmp_path):
+    """DVC does not re-hash what it reads: a champion whose object in the local DVC cache holds other
+    bytes is refused by the stage (exit 2, both md5s named), and the champion already there stays."""
+    project, _, _ = promoted
+    out = tmp_path / "champion"
+    about = fetch_champion(project, ReleaseConfig(artifact="m"), out)
+    judged_md5 = file_md5(project / "models" / "optimized" / "best.pt")
+    assert about["version"] == "v0.1.0" and (out / "best.pt").read_bytes() == b"judged weights"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    cached = project / ".dvc" / "cache" / "files" / "md5" / judged_md5[:2] / judged_md5[2:]
+    judged = cached.read_bytes()
+    params = tmp_path / "params.yaml"
+    params.write_text("release:\n  artifact: m\n")
+    try:
+        cached.chmod(0o644)
+        cached.write_bytes(b"tampered weights")  # the cache's copy is not what was judged
+        stage = sh(project, sys.executable, str(ROOT / "stages" / "champion.py"), "--params", str(params),
+                   "--out", str(out), ok=False)
+    finally:
+        cached.write_bytes(judged)
+    assert stage.returncode == 2, stage.stderr
+    assert (f"champion: REFUSED: the bytes served for models/optimized/best.pt at commit {about['commit'][:12]} have "
+            f"md5 {hashlib.md5(b'tampered weights').hexdigest()}, but that commit's dvc.lock records md5 {judged_md5}"
+            ) in stage.stderr, stage.stderr
+    assert str(cached) in stage.stderr and "`dvc fetch --all-tags`" in stage.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # best.pt, champion.json: as they were
+    with pytest.raises(ModelUnchecked, match="records no output holding models/optimized/best.pt"):
+        recorded_md5("stages: {}\n", "models/optimized/best.pt", [])  # unrecorded: refused, not skipped
 
 
 def test_verify_refuses_when_the_dvc_remote_lacks_the_model(promoted):

@@ -5,7 +5,10 @@ this clone lacks them, refused when they disagree), then GTO's rules, so a rollb
 another clone is what the next run fetches, and a clone without tags never mistakes itself for a
 first week; a commit that records no promotion (`registry.json`) needs no reachable remote. The
 model's bytes come from DVC at the tagged commit (`dvc.api.open`: the local cache, else the DVC
-remote), so the champion is exactly what was promoted, whatever the workspace holds.
+remote), so the champion is what was promoted, whatever the workspace holds; and, since DVC does not
+re-hash what it reads, they are written only when their md5 is the one that commit's `dvc.lock`
+records (a folder output's file through the folder's listing, itself checked against dvc.lock:
+`release.remote.recorded_md5`), else refused (`Mismatch`) with the old champion left in place.
 The output is rewritten only when its content changes: the stage reruns every time, and nothing
 downstream does unless the champion (or the hand-over below) changed.
 
@@ -31,11 +34,16 @@ from typing import Any
 import yaml
 
 from cnnpipe.release_config import ReleaseConfig
-from cnnpipe.files import ANCHOR_DIR, CHAMPION_FILE, file_sha256, write_json
+from cnnpipe.files import ANCHOR_DIR, CHAMPION_FILE, file_md5, file_sha256, write_json
 from cnnpipe.release.production import ProductionUnknown, git, lookup
+from cnnpipe.release.remote import ModelUnchecked, project_stores, recorded_md5
 
 MODEL = "best.pt"
 VERDICT = "metrics/gate.json"  # where the gate stage's verdict is committed (dvc.yaml: the gate's metrics)
+
+
+class Mismatch(RuntimeError):
+    """DVC served other bytes than the commit's dvc.lock records; the message names both md5s."""
 
 
 def artifact_path(repo: Path | None, name: str, dvc_yaml: str | None = None) -> str:
@@ -48,22 +56,55 @@ def artifact_path(repo: Path | None, name: str, dvc_yaml: str | None = None) -> 
     return str(declared[name]["path"])
 
 
-def download(repo: str, path: str, commit: str, out: Path, expected: str | None = None) -> str:
+def download(repo: str, path: str, commit: str, out: Path, expected: str | None = None,
+             md5: str | None = None) -> str:
     """`path` at `commit` of the DVC project `repo` (a folder or a git URL) into `out`, atomically;
     returns its sha256. The file is replaced only when its content changed, and never by bytes whose
-    sha256 is not `expected` (when given: the caller refuses those)."""
+    sha256 is not `expected` (when given: the caller refuses those) or whose md5 is not `md5` (when
+    given: raises Mismatch)."""
     import dvc.api
 
     out.parent.mkdir(parents=True, exist_ok=True)
     temp = out.parent / f".{out.name}.tmp"
     with dvc.api.open(path, repo=repo, rev=commit, mode="rb") as src, open(temp, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
+    if md5 is not None and (served := file_md5(temp)) != md5:
+        temp.unlink()
+        raise Mismatch(f"the bytes served for {path} at commit {commit[:12]} have md5 {served}, but that commit's "
+                       f"dvc.lock records md5 {md5} ({out} was left as it was)")
     digest = file_sha256(temp)
     if (out.exists() and file_sha256(out) == digest) or (expected is not None and digest != expected):
         temp.unlink()
     else:
         os.replace(temp, out)
     return digest
+
+
+def committed_lock(repo: Path, commit: str, version: str | None) -> str:
+    """The text of `commit`'s dvc.lock: what says which bytes were judged. Raises ModelUnchecked without one."""
+    lock = git(repo, "show", f"{commit}:dvc.lock", check=False)
+    if lock.returncode != 0:
+        raise ModelUnchecked(f"{version}'s commit {commit[:12]} has no dvc.lock: nothing records which bytes were "
+                             "judged, so none are served")
+    return lock.stdout
+
+
+def download_judged(repo: Path, found: dict[str, Any], path: str, out: Path) -> str:
+    """The champion `found`'s `path` into `out` (`download`), only with the md5 its commit's dvc.lock
+    records (read through the local DVC cache, else the default remote); returns its sha256. Raises
+    ModelUnchecked when the record cannot be read, Mismatch when the bytes are others: `out` stays."""
+    commit, version = found["commit"], found.get("version")
+    lock = committed_lock(repo, commit, version)
+    with project_stores(repo, commit) as stores:
+        md5 = recorded_md5(lock, path, stores)
+        objects = "; ".join(f"{name}: {odb.oid_to_path(md5)}" for name, odb in stores)
+    try:
+        return download(str(repo), path, commit, out, md5=md5)
+    except Mismatch as exc:
+        raise Mismatch(f"{exc}: the champion {version} is not the model that was judged. DVC reads it from the first "
+                       f"of these that holds it: {objects}. Delete the copy whose md5 is not {md5} and fetch the "
+                       "judged bytes again (`dvc fetch --all-tags`); a remote's wrong copy, deleted, needs `dvc push` "
+                       "from a clone whose cache holds the judged bytes") from exc
 
 
 def recorded_anchor(repo: Path, commit: str, verdict: str = VERDICT) -> dict[str, Any] | None:
@@ -105,7 +146,8 @@ def fetch_champion(repo: Path, cfg: ReleaseConfig, out: Path, verdict: str = VER
     """Write the champion's best.pt and champion.json to `out`, or champion.json saying there is none
     (the returned dict then says, under `told`, when the remote was not needed, "" otherwise); with the
     champion, the drift budget's anchor (`fetch_anchor`). Raises production.ProductionUnknown when what
-    is in production, or its anchor, cannot be told for sure."""
+    is in production, or its anchor, cannot be told for sure, and remote.ModelUnchecked or Mismatch
+    when its bytes cannot be shown to be those its commit's dvc.lock records (`download_judged`)."""
     found, told = lookup(repo, cfg.artifact, cfg.stage, cfg.remote)
     handover = {"renamed": dict(cfg.renamed), "across_recipes": cfg.warm_start_across_recipes}
     out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +161,7 @@ def fetch_champion(repo: Path, cfg: ReleaseConfig, out: Path, verdict: str = VER
         _write_if_changed(out / CHAMPION_FILE, about)  # the same whether or not the remote answered today:
         return {**about, "told": told}  # a laptop going offline retrains nothing
     path = artifact_path(repo, cfg.artifact)
-    digest = download(str(repo), path, found["commit"], out / MODEL)
+    digest = download_judged(repo, found, path, out / MODEL)
     anchor = fetch_anchor(repo, found, path, digest, out, verdict)
     about = {**found, "path": path, "sha256": digest, "warm_start": handover, "anchor": anchor}
     _write_if_changed(out / CHAMPION_FILE, about)

@@ -16,20 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 from cnnpipe.release_config import ReleaseConfig
-from cnnpipe.files import file_md5, write_json
-from cnnpipe.release.champion import artifact_path, download
+from cnnpipe.files import write_json
+from cnnpipe.release.champion import Mismatch, artifact_path, committed_lock, download
 from cnnpipe.release.production import ProductionUnknown, artifact_events, git, in_stage
 from cnnpipe.release.remote import ModelUnchecked, Remote
-
-
-class Mismatch(RuntimeError):
-    """The served bytes are not those the promoted commit recorded."""
 
 
 def fetch_production(url: str, artifact: str, stage: str, out: Path) -> dict:
@@ -43,24 +38,17 @@ def fetch_production(url: str, artifact: str, stage: str, out: Path) -> dict:
             raise ProductionUnknown(f"no version of {artifact!r} is in {stage!r} in {url}")
         commit = found["commit"]
         path = artifact_path(None, artifact, git(clone, "show", f"{commit}:dvc.yaml").stdout)
-        lock = git(clone, "show", f"{commit}:dvc.lock", check=False)
-        if lock.returncode != 0:
-            raise ModelUnchecked(f"{found['version']}'s commit {commit[:12]} has no dvc.lock: nothing records which "
-                                 "bytes were judged, so none are served")
+        lock = committed_lock(clone, commit, found["version"])
         with Remote(clone, rev=commit) as remote:
-            expected = remote.recorded_md5(lock.stdout, path)
-        staged = out.parent / f".{out.name}.unverified"
-        digest = download(str(clone), path, commit, staged)
-        served = file_md5(staged)
-        if served != expected:
-            staged.unlink()
-            raise Mismatch(f"the bytes served for {path} at {found['version']} (commit {commit[:12]}) have md5 "
-                           f"{served}, but that commit's dvc.lock records md5 {expected}: the DVC remote's copy is "
-                           f"not the model that was judged, and {out} was left as it was. Delete the remote's object "
-                           f"{remote.odb.oid_to_path(expected)} and run `dvc push` where the model was promoted (its "
-                           "cache holds the judged bytes), then fetch again")
-        os.replace(staged, out)
-    about = {**found, "repo": url, "path": path, "sha256": digest, "md5": served}
+            expected = remote.recorded_md5(lock, path)
+            stored = remote.odb.oid_to_path(expected)
+        try:
+            digest = download(str(clone), path, commit, out, md5=expected)
+        except Mismatch as exc:
+            raise Mismatch(f"{exc}: the DVC remote's copy of {found['version']} is not the model that was judged. "
+                           f"Delete the remote's object {stored} and run `dvc push` where the model was promoted (its "
+                           "cache holds the judged bytes), then fetch again") from exc
+    about = {**found, "repo": url, "path": path, "sha256": digest, "md5": expected}
     write_json(out.parent / "release.json", about)
     return about
 
