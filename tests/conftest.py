@@ -208,6 +208,7 @@ def build_reproduced(root: Path) -> str:
     write_fake_fmnist(root / "data" / "raw" / "fashion-mnist")  # the "copy under data/raw" route
     params = tiny_params()
     params["data"]["stored_size"] = 32  # resized from 28 by prepare, cropped to 28 for the model
+    params["profile"]["budget_share"] = SMALLEST_PROFILE  # the tests that change the profiles' params set their own
     write_params(root / "params.yaml", params)
     run("git", "init", "-q")
     run("dvc", "add", "-q", "data/raw/fashion-mnist")  # the raw data travels through DVC too
