@@ -156,6 +156,16 @@ def tiny_params(**train_overrides) -> dict:
     return params
 
 
+SMALLEST_PROFILE = 0.001
+"""`profile.budget_share` for the end-to-end tests that check what the pipeline does with a profile, not
+what the profile measures: a time box of a second or less at any budget, less than the stage's start-up,
+so each profile measures the least it can (a probe, two steps at batch 16 or less, a two-step trace, one
+inference call) and times no trial (each is noted as out of time). A profile with its trials took ~18 s
+of every such `dvc repro` here, two per repro. What the profile measures is tested in test_profile.py,
+test_profile_box.py and test_gpu_ready.py, and its trials through `dvc repro` in test_pipeline.py's
+test_profile_params_retrain_only_when_the_tuned_values_change."""
+
+
 def write_params(path: Path, params: dict) -> Path:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
@@ -198,6 +208,7 @@ def build_reproduced(root: Path) -> str:
     write_fake_fmnist(root / "data" / "raw" / "fashion-mnist")  # the "copy under data/raw" route
     params = tiny_params()
     params["data"]["stored_size"] = 32  # resized from 28 by prepare, cropped to 28 for the model
+    params["profile"]["budget_share"] = SMALLEST_PROFILE  # the tests that change the profiles' params set their own
     write_params(root / "params.yaml", params)
     run("git", "init", "-q")
     run("dvc", "add", "-q", "data/raw/fashion-mnist")  # the raw data travels through DVC too

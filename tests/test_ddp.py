@@ -75,7 +75,9 @@ def test_two_node_rendezvous_on_loopback_writes_one_set_of_outputs(tmp_path, pre
 
 
 def test_sync_batchnorm_on_cpu_is_a_clear_error(tmp_path, prepared):
-    params = tiny_params(batch_size=16, nproc=2, sync_bn=True, epochs=1)
+    # max_restarts 0: every worker fails alike, and each of torchrun's 3 restarts (the shipped
+    # train.max_restarts) would start two workers to print the same error (~20 s of the test's ~30).
+    params = tiny_params(batch_size=16, nproc=2, sync_bn=True, epochs=1, max_restarts=0)
     proc = train(tmp_path, "syncbn", params, prepared)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0

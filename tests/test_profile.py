@@ -6,7 +6,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -276,34 +278,54 @@ def _get(url: str):
         return json.loads(resp.read())
 
 
+SOCKET_PATH_MAX = 107
+"""Characters an AF_UNIX socket's path may have on Linux (108 bytes with the closing NUL)."""
+MANAGER_SOCKET_EXTRA = len("/pymp-12345678/listener-12345678")
+"""What a multiprocessing Manager adds to the temp folder for its socket's path."""
+
+
 def test_tensorboard_profiler_plugin_lists_the_run(tmp_path, prepared):
+    """The README's `tensorboard --logdir logs/profile` (tests/test_user_commands.py checks the line) lists
+    the profile's run in the profiler plugin.
+
+    TensorBoard runs with a temp folder of its own (its `.tensorboard-info` goes there, not in the
+    system's), and a short one: the plugin starts a multiprocessing Manager whose socket lives in it,
+    and under a temp folder of more than ~75 characters (this test's tmp_path under xdist with a
+    longer user name or run number; a test's home folder inside it, as once) the Manager cannot bind,
+    the plugin does not load, and its routes answer 404 for as long as anyone asks (a full CI run
+    waited 600 s for a run list). A 404 fails at once, with TensorBoard's log."""
     logdir = tmp_path / "logs"
     profile_variant(config(tmp_path), DistInfo(), prepared, logdir / "optimized", False)
     port = _free_port()
     tb = Path(sys.executable).with_name("tensorboard")
-    proc = subprocess.Popen([str(tb), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
-                            env=dict(os.environ, TMPDIR=str(tmp_path)),  # its .tensorboard-info: here
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
-    try:
-        deadline = time.monotonic() + 600  # a hang guard: TensorBoard loads slowly on a loaded machine
-        runs = {"runs": [], "loading": True}
-        while time.monotonic() < deadline:
-            try:
-                runs = _get(f"{base}/runs")
-                if "optimized" in runs["runs"] and not runs["loading"]:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
-        assert "optimized" in runs["runs"], runs
-        views = _get(f"{base}/views?run=optimized")
-        assert "Overview" in views
-        workers = _get(f"{base}/workers?run=optimized&view=Overview")
-        assert any(w.startswith("optimized_rank0") for w in workers)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    log = tmp_path / "tensorboard.log"
+    with tempfile.TemporaryDirectory(prefix="cnnpipe-tb-") as temp, open(log, "wb") as out:
+        assert len(temp) + MANAGER_SOCKET_EXTRA <= SOCKET_PATH_MAX, temp
+        proc = subprocess.Popen([str(tb), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
+                                env=dict(os.environ, TMPDIR=temp), stdout=out, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
+        try:
+            deadline = time.monotonic() + 600  # a hang guard: TensorBoard loads slowly on a loaded machine
+            runs = {"runs": [], "loading": True}
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()[-4000:]
+                try:
+                    runs = _get(f"{base}/runs")
+                    if "optimized" in runs["runs"] and not runs["loading"]:
+                        break
+                except urllib.error.HTTPError as exc:  # serving, so its plugins are loaded: this one is not
+                    raise AssertionError(f"{exc.code} from the profiler plugin:\n{log.read_text()[-4000:]}") from exc
+                except OSError:
+                    pass  # not serving yet
+                time.sleep(1)
+            assert "optimized" in runs["runs"], runs
+            views = _get(f"{base}/views?run=optimized")
+            assert "Overview" in views
+            workers = _get(f"{base}/workers?run=optimized&view=Overview")
+            assert any(w.startswith("optimized_rank0") for w in workers)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
 
 
 def test_compile_is_judged_over_the_whole_run(tmp_path, prepared):

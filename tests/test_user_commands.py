@@ -9,8 +9,9 @@ photos the blocks copy from `~/...` and a git identity, as on a developer's mach
 A block runs with `bash -e`, as written, except where a placeholder stands for something only the
 user has: each substitution below names the placeholder and fails when the block no longer holds it
 (a changed README is a changed test). Sizes are shrunk only through `-S` flags appended to the
-`dvc exp run` the block itself gives (a tiny timm model, 28 px, one small batch, 2 epochs, no
-budget): one such run (`user_run`, built once per test run) serves every block after it.
+`dvc exp run` the block itself gives (a tiny timm model, 28 px, one small batch, 2 epochs, the
+profiles' smallest time box): one such run (`user_run`, built once per test run) serves every block
+after it.
 
 No verdict depends on what the tiny model learns: the floor is lowered to 0 through `-S`, so the
 first model is blessed on the floors alone, and week 2's test split is too small for the gate to
@@ -32,7 +33,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT, built_once, save_image
+from conftest import ROOT, SMALLEST_PROFILE, built_once, save_image
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +42,12 @@ WEEKLY = ROOT / "docs" / "weekly-loop.md"
 MODEL_DOC = ROOT / "docs" / "using-the-model.md"
 CONFUSION = "Confusion matrix of the optimized model (test split)"
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 30)}
-# The `-S` flags appended to the README's `dvc exp run`: the smallest run that still has every stage.
+# The `-S` flags appended to the README's `dvc exp run`: the smallest run that still has every stage. The
+# budget stays the shipped one; the profiles get the smallest share of it (no trials: nothing here reads
+# them), and each of the eight profiles these tests run (two a repro) costs its start-up and a few steps.
 TINY = ("model.name=test_resnet", "model.pretrained=false", "data.stored_size=32", "data.image_size=28",
-        "train.epochs=2", "run.budget_minutes=null", "train.batch_size=8", "variants.baseline.train.batch_size=8",
+        "train.epochs=2", f"profile.budget_share={SMALLEST_PROFILE}", "train.batch_size=8",
+        "variants.baseline.train.batch_size=8",
         "train.threads=1", "variants.optimized.train.compile=off", "profile.wait=0", "profile.warmup=1",
         "profile.active=2", "profile.trial_steps=1", "profile.trial_rounds=2", "release.floors.top1=0")
 

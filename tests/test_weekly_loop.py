@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import copy_project, save_image, tiny_params, write_params
+from conftest import SMALLEST_PROFILE, copy_project, save_image, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +108,7 @@ def project(tmp_path) -> Path:
     params["data"].update(source="data/raw/catalog/catalog.csv", stored_size=28, image_size=28)
     params["release"].update(floors={"top1": 0.6})
     params["run"]["budget_minutes"] = 5
+    params["profile"]["budget_share"] = SMALLEST_PROFILE  # six profiles (two a week) that nothing here reads
     write_params(root / "params.yaml", params)
     sh(["git", "init", "-q", "-b", "main"], root)
     sh(["git", "init", "-q", "--bare", "-b", "main", str(tmp_path / "origin.git")], tmp_path)
