@@ -25,6 +25,7 @@ champion.json also carries the warm start's hand-over from the release params (`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,7 +35,7 @@ from typing import Any
 import yaml
 
 from cnnpipe.release_config import ReleaseConfig
-from cnnpipe.files import ANCHOR_DIR, CHAMPION_FILE, file_md5, file_sha256, write_json
+from cnnpipe.files import ANCHOR_DIR, CHAMPION_FILE, file_sha256, write_json
 from cnnpipe.release.production import ProductionUnknown, git, lookup
 from cnnpipe.release.remote import ModelUnchecked, project_stores, recorded_md5
 
@@ -66,13 +67,17 @@ def download(repo: str, path: str, commit: str, out: Path, expected: str | None 
 
     out.parent.mkdir(parents=True, exist_ok=True)
     temp = out.parent / f".{out.name}.tmp"
+    sha256, served = hashlib.sha256(), hashlib.md5()  # both while copying: the model is read once
     with dvc.api.open(path, repo=repo, rev=commit, mode="rb") as src, open(temp, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-    if md5 is not None and (served := file_md5(temp)) != md5:
+        for block in iter(lambda: src.read(1 << 20), b""):
+            dst.write(block)
+            sha256.update(block)
+            served.update(block)
+    if md5 is not None and served.hexdigest() != md5:
         temp.unlink()
-        raise Mismatch(f"the bytes served for {path} at commit {commit[:12]} have md5 {served}, but that commit's "
-                       f"dvc.lock records md5 {md5} ({out} was left as it was)")
-    digest = file_sha256(temp)
+        raise Mismatch(f"the bytes served for {path} at commit {commit[:12]} have md5 {served.hexdigest()}, but that "
+                       f"commit's dvc.lock records md5 {md5} ({out} was left as it was)")
+    digest = sha256.hexdigest()
     if (out.exists() and file_sha256(out) == digest) or (expected is not None and digest != expected):
         temp.unlink()
     else:

@@ -49,9 +49,9 @@ def listing(dir_md5: str, stores: Stores) -> dict[str, str]:
         if odb.exists(dir_md5):
             where = odb.oid_to_path(dir_md5)
             raw = odb.fs.cat_file(where)
-            if hashlib.md5(raw).hexdigest() != dir_md5.removesuffix(".dir"):
+            if (got := hashlib.md5(raw).hexdigest()) != dir_md5.removesuffix(".dir"):
                 raise ModelUnchecked(f"the folder listing {where} in {name} is not what dvc.lock recorded "
-                                     f"(md5 {hashlib.md5(raw).hexdigest()}.dir, recorded {dir_md5})")
+                                     f"(md5 {got}.dir, recorded {dir_md5})")
             return {entry["relpath"]: entry["md5"] for entry in json.loads(raw)}
     raise ModelUnchecked(f"{' and '.join(name for name, _ in stores)} lack{'s' if len(stores) == 1 else ''} "
                          f"the folder listing {dir_md5}: run `dvc push` where the model was promoted (its cache holds "
@@ -113,13 +113,18 @@ class Remote:
     def __exit__(self, *exc: Any) -> None:
         self._repo.close()
 
+    @property
+    def stores(self) -> Stores:
+        """This remote alone, as the object stores `listing` and `recorded_md5` read."""
+        return [(f"the DVC remote {self.name!r} ({self.url})", self.odb)]
+
     def listing(self, dir_md5: str) -> dict[str, str]:
         """relpath -> md5 of a folder output, from the remote's `.dir` object (`listing`)."""
-        return listing(dir_md5, [(f"the DVC remote {self.name!r} ({self.url})", self.odb)])
+        return listing(dir_md5, self.stores)
 
     def recorded_md5(self, lock_text: str, path: str) -> str:
         """The md5 `dvc.lock` records for the file `path`, a folder's listing read from the remote (`recorded_md5`)."""
-        return recorded_md5(lock_text, path, [(f"the DVC remote {self.name!r} ({self.url})", self.odb)])
+        return recorded_md5(lock_text, path, self.stores)
 
     def missing(self, lock_text: str, path: str) -> list[str]:
         """The files of the output holding `path` that the remote lacks (its folder listing too): [] when
