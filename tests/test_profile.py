@@ -328,10 +328,17 @@ def test_tensorboard_profiler_plugin_lists_the_run(tmp_path, prepared):
             proc.wait(timeout=20)
 
 
-def test_compile_is_judged_over_the_whole_run(tmp_path, prepared):
+def test_compile_is_judged_over_the_whole_run(tmp_path, prepared, monkeypatch):
     """On this machine inductor has its C++ compiler, so the trial must compile and be measured (a
     swallowed exception is a failure here); its verdict follows from its own numbers."""
     assert shutil.which("g++") or shutil.which("c++"), "inductor needs a C++ compiler on the CPU"
+    import torch._inductor.codecache as codecache
+
+    # Inductor's precompiled C++ header goes to the system temp folder whatever TORCHINDUCTOR_CACHE_DIR
+    # says (its path is fixed at import): the test's own folder keeps the temp folder clean.
+    headers = tmp_path / "precompiled_headers"
+    monkeypatch.setattr(codecache, "_HEADER_DIR", str(headers))
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(headers / "locks"))
     cfg = resolve_auto(config(tmp_path, compile="auto"), torch.device("cpu"))
     base = build_setup(cfg, DistInfo(), open_split(prepared, "train"))
     trial = compile_trial(trial_ctx(cfg, base))
