@@ -43,6 +43,8 @@ def main() -> int:
         print(f"prepare: {ledger['started']}")
     print(f"prepare: split ledger: {ledger['records_added']} record(s) added, {ledger['segments']} segment(s)"
           + (f"; splits redrawn ({ledger['reset']})" if ledger.get("reset") else ""))
+    if report["holds"].get("list_not_read"):
+        print(f"prepare: {report['holds']['list_not_read']}")
     held = sum(report["holds"]["held"].values())
     if held:
         print(f"prepare: {held} photo(s) held out by the delivery check until their label changes or they are "

@@ -317,3 +317,46 @@ def test_a_manifest_of_own_images_reaches_training(user_run, tmp_path):
     assert {"prepare", "train@optimized", "evaluate@optimized"} <= set(ran), ran
     report = json.loads((project / "metrics" / "data_report.json").read_text())
     assert json.dumps(report).count(route) >= 1
+
+
+def test_a_second_prepare_of_own_photos_in_a_fresh_clone_reads_no_other_catalogs_list(tmp_path):
+    """A fresh clone prepares the user's own photos twice (before and after 10% more), its committed
+    `dvc.lock` as it is: the demo's delivery list that lock records, checked against the demo's store,
+    never blocks it. A list that is this store's and missing is refused with what to do, and the store
+    `dvc repro` removed before the refusal is back in place."""
+    home = make_home(tmp_path / "home")
+    project = clone_head(tmp_path / "project", home)
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert "data/delivery/flagged.csv" in [o["path"] for o in lock["stages"]["delivery"]["outs"]]  # the demo's list
+    photos(home / "product-photos", 10, "w0")
+    params = (project / "params.yaml").read_text()
+    assert "\n  source: fashion-mnist\n" in params
+    (project / "params.yaml").write_text(params.replace("\n  source: fashion-mnist\n", "\n  source: data/raw/products\n"))
+    [block] = blocks(README, "## Your own images", "bash")
+    first = "\n".join(line for line in block.splitlines() if line.startswith(("cp ", "dvc add ")))
+    out = bash(first + "\ndvc repro prepare", project, home, project)
+    assert "a new split ledger starts" in out.stdout, out.stdout
+
+    photos(project / "data" / "raw" / "products", 1, "w1")  # 10% more photos
+    out = bash("dvc add data/raw/products && dvc repro prepare", project, home, project)
+    assert "was checked against another store than the one the last prepare wrote" in out.stdout, out.stdout
+    report = json.loads((project / "metrics" / "data_report.json").read_text())
+    assert report["ledger"]["segments"] == 2 and report["ledger"]["records_added"] == len(COLOURS), report["ledger"]
+    assert sum(c["gained"] for c in report["changes"]["splits"].values()) == len(COLOURS), report["changes"]
+    after = yaml.safe_load((project / "dvc.lock").read_text())
+    assert after["stages"]["delivery"] == lock["stages"]["delivery"]  # the demo's entry, read by nobody
+
+    # This store's own list, recorded and not here (a clone that pulled the store, not the list).
+    prepared = next(o for o in after["stages"]["prepare"]["outs"] if o["path"] == "data/prepared")
+    delivery = after["stages"]["delivery"]
+    next(d for d in delivery["deps"] if d["path"] == "data/prepared")["md5"] = prepared["md5"]
+    next(o for o in delivery["outs"] if o["path"] == "data/delivery/flagged.csv")["md5"] = "0" * 32
+    (project / "dvc.lock").write_text(yaml.safe_dump(after, sort_keys=False))
+    index = (project / "data" / "prepared" / "index.json").read_text()
+    photos(project / "data" / "raw" / "products", 1, "w2")
+    out = bash("dvc add data/raw/products && dvc repro prepare", project, home, project, ok=False)
+    assert out.returncode != 0 and "dvc.lock records the delivery list data/delivery/flagged.csv" in out.stderr
+    assert "No DVC remote is configured" in out.stderr and "dvc repro -s delivery" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert (project / "data" / "prepared" / "index.json").read_text() == index  # the previous store, in place
+    assert (project / "data" / "split_ledger" / "segments").is_dir()

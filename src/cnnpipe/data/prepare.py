@@ -30,7 +30,8 @@ from cnnpipe.data.store.keys import HexDigests, digest_at, path_keys
 from cnnpipe.data.splits.ledger import RECORD, Ledger, records_from_store, write_ledger
 from cnnpipe.data.splits.lineage import another_catalog, catalog_identity, missing_history, recorded_catalog
 from cnnpipe.data.store.meta import STAT_FILE, stat_cache
-from cnnpipe.data.store.previous import ENCODING_KEYS, FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree, find_previous
+from cnnpipe.data.store.previous import (ENCODING_KEYS, FAILED_FILE, RECIPE_FILE, Found, PreviousStore, Tree,
+                                         find_previous, put_back)
 from cnnpipe.data.report import leakage, listed, mark_new, split_changes, split_codes
 from cnnpipe.data.splits.draw import content_split
 from cnnpipe.data.splits.sticky import Assigned, assign_splits, split_rule, stable_cap
@@ -313,12 +314,15 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
     work = out_dir.with_name(out_dir.name + ".work")
     store, ledger_found = find_previous(out_dir), find_previous(ledger_dir)
     rule = split_rule(seed, cfg.val_fraction, cfg.test_fraction)
-    # The last list's holds belong to the ledger found: without one (a new catalog, a first run) none apply.
-    listed = read_held_list(last_list(held_out)) if ledger_found.tree is not None else {}
-    cleared_digests = read_cleared(cleared)
-    new_store.mkdir(parents=True)
-    started = None
+    started, skipped_list = None, None
     try:
+        # The last list's holds belong to the ledger found: without one (a new catalog, a first run) none apply.
+        listed: dict[str, str] = {}
+        if ledger_found.tree is not None:
+            found_list, skipped_list = last_list(held_out, out_dir)
+            listed = read_held_list(found_list)
+        cleared_digests = read_cleared(cleared)
+        new_store.mkdir(parents=True)
         if cfg.source == "fashion-mnist":
             report = prepare_fashion_mnist(cfg, seed, new_store)
             ledger, classes, reset = Ledger.read(ledger_found.tree), list(report["classes"]), False
@@ -353,7 +357,12 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
     except BaseException:
         shutil.rmtree(new_store, ignore_errors=True)
         shutil.rmtree(new_ledger, ignore_errors=True)
+        # A refusal loses nothing: the store and ledger `dvc repro` removed go back where they were.
+        put_back(store, out_dir)
+        put_back(ledger_found, ledger_dir)
         raise
+    if skipped_list:
+        report["holds"]["list_not_read"] = skipped_list
     report["changes"] = split_changes(store.tree, new_store)
     report["new_images"] = mark_new(store.tree, new_store)
     if recovered:

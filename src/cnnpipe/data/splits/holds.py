@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,6 +27,8 @@ from cnnpipe.data.sources.entries import DataError
 from cnnpipe.data.splits.held_out import read_cleared as cleared_digests, sha256_column
 from cnnpipe.data.store.keys import find_sorted
 from cnnpipe.data.splits.ledger import HOLD, Ledger
+from cnnpipe.data.splits.lineage import dvc_remotes
+from cnnpipe.data.store.previous import cached_file, dvc_root, locked_stages, project_path
 from cnnpipe.data.store.meta import in_folder, split_keys
 from cnnpipe.data.store.shards import SPLITS
 from cnnpipe.files import write_json
@@ -114,25 +115,50 @@ def mark_store(store: Path, ledger: Ledger, held: np.ndarray, generation: int) -
     return counts
 
 
-def last_list(path: Path | None) -> Path | None:
-    """The delivery list the last delivery check wrote at `path`: the file, else the DVC cache object
-    `dvc.lock` records for it (`dvc repro` or a fresh clone without it); None when none was recorded.
-    One recorded but unreadable is refused: its holds would be lost."""
-    if path is None or Path(path).exists():
-        return None if path is None else Path(path)
-    from cnnpipe.data.store.previous import _caches, _locked_outs, dvc_root
+def last_list(path: Path | None, store: Path) -> tuple[Path | None, str | None]:
+    """The delivery list this prepare must honour (None: none), and why a recorded one is not read.
 
-    root = dvc_root(Path(path))
+    A list belongs to the store its check ran on: the delivery stage's `dvc.lock` entry records the
+    store it read (`store`, data/prepared). Prepare reads the list only when that is the store the last
+    prepare wrote, the one this prepare replaces. A list checked against an older store was read by the
+    prepare that replaced that store (its holds are in the ledger since); one checked against another
+    catalog's store (the demo's list, in a clone that prepares the user's own photos) holds none of
+    these photos. Neither is read, so neither blocks. Run by hand (no DVC, nothing recorded), the file
+    at `path` is the list. A list that is this store's and cannot be read is refused: its holds would
+    be lost."""
+    if path is None:
+        return None, None
+    path = Path(path)
+    root = dvc_root(path)
     if root is None:
-        return None
-    rel = Path(os.path.relpath(os.path.abspath(path), root)).as_posix()
-    out = _locked_outs(root).get(rel)
-    if out is None or "md5" not in out:
-        return None
-    local, legacy = _caches(root)
-    cached = Path((local if out.get("hash") == "md5" else legacy).oid_to_path(out["md5"]))
+        return (path if path.exists() else None), None
+    rel, store_rel = project_path(root, path), project_path(root, store)
+    stages = locked_stages(root).values()
+    checker = next((st for st in stages if any(o.get("path") == rel for o in st.get("outs", []))), None)
+    writer = next((st for st in stages if any(o.get("path") == store_rel for o in st.get("outs", []))), None)
+    if checker is None:
+        return (path if path.exists() else None), None
+    checked = next((d.get("md5") for d in checker.get("deps", []) if d.get("path") == store_rel), None)
+    written = next((o.get("md5") for o in (writer or {}).get("outs", []) if o.get("path") == store_rel), None)
+    if checked is not None and written is not None and checked != written:
+        return None, (f"{rel} (as dvc.lock records it) was checked against another store than the one the last "
+                      f"prepare wrote ({store_rel} md5 {str(checked)[:12]}..., not {str(written)[:12]}...): not read; "
+                      "an earlier prepare recorded its holds in the split ledger, or it is another catalog's")
+    if path.exists():
+        return path, None
+    out = next(o for o in checker["outs"] if o.get("path") == rel)
+    if "md5" not in out:
+        return None, None
+    cached = cached_file(root, out)
     if cached.is_file():
-        return cached
-    raise DataError(f"dvc.lock records the delivery list {rel} (md5 {out['md5'][:12]}...), but neither it nor its DVC "
-                    f"cache object is here: the photos it holds out would be trained on. Fetch it first "
-                    f"(`dvc pull {rel}`), then rerun prepare")
+        return cached, None
+    remotes, default = dvc_remotes(root)
+    if not remotes:
+        fetch = (f"No DVC remote is configured here to pull it from: add the one that holds it (`dvc remote add -d "
+                 f"storage URL`), then `dvc pull {rel}`")
+    else:
+        fetch = f"Fetch it: `dvc pull {'' if default else f'-r {remotes[0]} '}{rel}`"
+    raise DataError(f"dvc.lock records the delivery list {rel} (md5 {out['md5'][:12]}...), the check of the store the "
+                    f"last prepare wrote, but neither it nor its DVC cache object is here: the photos it holds out "
+                    f"would be trained on. {fetch}; or check that store again, which is back in place "
+                    f"(`dvc repro -s delivery`); then rerun prepare.")

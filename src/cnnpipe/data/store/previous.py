@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,13 +83,23 @@ def dvc_root(path: Path) -> Path | None:
     return None
 
 
-def _locked_outs(root: Path) -> dict[str, dict[str, Any]]:
-    """Every output `dvc.lock` records, by path relative to the project."""
+def locked_stages(root: Path) -> dict[str, dict[str, Any]]:
+    """Every stage `dvc.lock` records (its cmd, deps, params and outs), by name."""
     lock = root / "dvc.lock"
     if not lock.exists():
         return {}
-    stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages", {})
-    return {out["path"]: out for stage in stages.values() for out in stage.get("outs", []) if "path" in out}
+    return (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages", {}) or {}
+
+
+def _locked_outs(root: Path) -> dict[str, dict[str, Any]]:
+    """Every output `dvc.lock` records, by path relative to the project."""
+    return {out["path"]: out for stage in locked_stages(root).values() for out in stage.get("outs", [])
+            if "path" in out}
+
+
+def project_path(root: Path, path: Path) -> str:
+    """`path` relative to the DVC project at `root`, as dvc.lock writes it."""
+    return Path(os.path.relpath(os.path.abspath(path), root)).as_posix()
 
 
 @functools.lru_cache(maxsize=4)
@@ -98,6 +109,12 @@ def _caches(root: Path) -> tuple[Any, Any]:
 
     with Repo(str(root)) as repo:
         return repo.cache.local, repo.cache.legacy
+
+
+def cached_file(root: Path, out: dict[str, Any]) -> Path:
+    """Where the DVC cache keeps the object of a file output `dvc.lock` records (it may be absent)."""
+    local, legacy = _caches(root)
+    return Path((local if out.get("hash") == "md5" else legacy).oid_to_path(out["md5"]))
 
 
 def _cached_files(root: Path, out: dict[str, Any]) -> dict[str, Path] | None:
@@ -128,6 +145,27 @@ def find_previous(folder: Path) -> Found:
     recorded = f"dvc.lock records {rel} (md5 {out['md5'][:12]}..., {out.get('nfiles', '?')} files)"
     files = _cached_files(root, out)
     return Found(Tree(folder, files, f"the DVC cache ({recorded})") if files is not None else None, recorded)
+
+
+def put_back(found: Found, folder: Path) -> bool:
+    """Lay the cache objects of a previous output (`found`, read from the DVC cache) out at `folder`
+    again, as DVC's hard-linked checkout would: for a failed prepare, whose outputs `dvc repro`
+    removed before it ran. Does nothing when the folder is there or the files are not cached.
+    Returns whether it laid them out."""
+    tree = found.tree
+    if tree is None or tree.files is None or folder.exists():
+        return False
+    staging = folder.with_name(folder.name + ".back")
+    shutil.rmtree(staging, ignore_errors=True)
+    for rel, source in tree.files.items():
+        target = staging / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, target)  # the cache's own bytes, as the project's `cache.type` links them
+        except OSError:
+            os.symlink(source, target)  # another filesystem: `cache.type` falls back to symlinks too
+    os.rename(staging, folder)  # whole or not at all
+    return True
 
 
 # --------------------------------------------------------------------------- the previous store's images
