@@ -9,6 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from cnnpipe.data.sources.entries import DataError
+from cnnpipe.data.splits.holds import last_list, read_held_list
 from cnnpipe.params import ParamsError, load_params, release_config, resolve
 from cnnpipe.release.delivery import check_delivery, summary, write_delivery
 from cnnpipe.train.checkpoint import UnsafeCheckpoint
@@ -29,8 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         raw = load_params(args.params)
         cfg = release_config(raw)
         device = resolve_device(resolve(raw, "optimized").train.device)
-        report, files = check_delivery(Path(args.data), Path(args.champion), cfg, device, Path(args.cleared))
-    except (ParamsError, UnsafeCheckpoint, FileNotFoundError, KeyError, ValueError) as exc:
+        # The last check of this same store: its holds stand until a prepare records them in the ledger.
+        previous, _ = last_list(Path(args.list), Path(args.data), recheck=False)
+        report, files = check_delivery(Path(args.data), Path(args.champion), cfg, device, Path(args.cleared),
+                                       read_held_list(previous))
+    except (ParamsError, UnsafeCheckpoint, DataError, FileNotFoundError, KeyError, ValueError) as exc:
         print(f"delivery: {exc}", file=sys.stderr)
         return 2
     write_delivery(report, files, Path(args.out), Path(args.list))

@@ -15,6 +15,7 @@ import torch
 
 from cnnpipe.config import DataConfig
 from cnnpipe.data.splits.held_out import open_judged, open_kept
+from cnnpipe.data.splits.holds import read_held_list
 from cnnpipe.data.splits.ledger import HOLD
 from cnnpipe.data.prepare import prepare
 from cnnpipe.data.store.shards import new_rows, open_split, read_index
@@ -207,3 +208,29 @@ def test_training_records_the_generation_of_the_store_it_was_trained_on(tmp_path
     cfg = resolve(load_params(write_params(tmp_path / "params.yaml", tiny_params(epochs=1))), "baseline")
     trainer.fit(cfg, DistInfo(), store, tmp_path / "models", tmp_path / "train.json", tmp_path / "live")
     assert ckpt.load(tmp_path / "models" / "best.pt")["meta"]["data_generation"] == 3
+
+
+def test_a_rerun_of_the_check_alone_keeps_the_last_checks_holds(tmp_path):
+    """After a promote or a rollback the champion changes and the check reruns before any prepare: the
+    photos it held are no longer new to that champion, yet they stay held (the last list of this same
+    store, read back), until a person clears them."""
+    cfg, prepared = week_store(tmp_path)
+    listed, report_path = tmp_path / "delivery" / "flagged.csv", tmp_path / "delivery.json"
+    report, files = check_delivery(prepared, champion_of(tmp_path / "week1", 1), ReleaseConfig(), torch.device("cpu"))
+    write_delivery(report, files, report_path, listed)
+    held = {f["sha256"] for f in files if f["held_out"]}
+    assert len(held) >= 70
+
+    later = champion_of(tmp_path / "promoted", 2)  # a champion whose data held this store: nothing is new to it
+    forgot, _ = check_delivery(prepared, later, ReleaseConfig(), torch.device("cpu"))
+    assert forgot["new_images"] == 0 and forgot["open_flags"] == 0  # what the list alone would have kept
+    previous = read_held_list(listed)
+    report, files = check_delivery(prepared, later, ReleaseConfig(), torch.device("cpu"), previous=previous)
+    assert {f["sha256"] for f in files if f["held_out"] and f["status"] == "held"} == held
+    assert report["open_flags"] == len(held) == report["held_from_earlier_weeks"]
+
+    cleared = tmp_path / "cleared.csv"
+    first = sorted(held)[:3]
+    assert clear_main(["--list", str(listed), "--cleared", str(cleared), "--note", "checked", "--sha256", *first]) == 0
+    report, files = check_delivery(prepared, later, ReleaseConfig(), torch.device("cpu"), cleared, previous)
+    assert report["open_flags"] == len(held) - 3 and not set(first) & {f["sha256"] for f in files if f["held_out"]}

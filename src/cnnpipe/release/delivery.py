@@ -49,7 +49,8 @@ import torch
 from scipy.stats import betabinom
 
 from cnnpipe.data.splits.held_out import read_cleared, store_mark, subset
-from cnnpipe.data.store.meta import in_folder, split_meta
+from cnnpipe.data.splits.holds import among
+from cnnpipe.data.store.meta import in_folder, split_keys, split_meta
 from cnnpipe.data.store.shards import PreparedSplit, SPLITS, new_rows, open_split, read_index
 from cnnpipe.files import CHAMPION_FILE, write_json
 from cnnpipe.release.verdict import logit_batches
@@ -201,11 +202,37 @@ def carried_holds(prepared_dir: Path, splits: list[str], classes: list[str],
     return files
 
 
+def listed_before(prepared_dir: Path, splits: list[str], classes: list[str], previous: dict[str, str],
+                  skip: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    """The photos the last check of this same store held (`previous`: sha256 -> the label held under)
+    that are still filed under that label, less the `skip` rows (listed already): held again. A rerun
+    of the check alone (another champion after a promote or a rollback, a `dvc repro delivery`) no
+    longer finds them new, and without this their hold would end before any prepare recorded it."""
+    if not previous:
+        return []
+    wanted = np.frombuffer(b"".join(bytes.fromhex(h) for h in previous), dtype="S32")
+    files = []
+    for split in splits:
+        keys = split_keys(in_folder(prepared_dir), split)
+        if keys is None:
+            continue
+        labels = np.load(Path(prepared_dir) / f"{split}_labels.npy", mmap_mode="r")
+        rows = [r for r in np.flatnonzero(among(keys["sha256"], wanted)).tolist() if (split, r) not in skip
+                and previous[keys["sha256"][r : r + 1].tobytes().hex()] == classes[int(labels[r])]]
+        files += [{**src, "split": split, "given": classes[int(labels[r])], "predicted": "", "confidence": "",
+                   "held_out": True, "status": "held"}
+                  for src, r in zip(_sources(prepared_dir, split, np.array(rows, np.int64)), rows)]
+    return files
+
+
 def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig, device: torch.device,
-                   cleared: Path | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                   cleared: Path | None = None, previous: dict[str, str] | None = None,
+                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Check the store's photos new to the champion in `champion_dir` (the champion stage's output);
-    list the photos the ledger still holds and, as cleared, the flagged ones whose sha256 the committed
-    file `cleared` lists. Returns the report (delivery.json) and the listed photos, one dict per file."""
+    list the photos the ledger still holds, those the last check of this store held (`previous`,
+    sha256 -> label: `data.splits.holds.last_list`) and, as cleared, the flagged ones whose sha256 the
+    committed file `cleared` lists. Returns the report (delivery.json) and the listed photos, one dict
+    per file."""
     report, files = _check(prepared_dir, champion_dir, cfg, device)
     index = read_index(prepared_dir)
     raw = read_cleared(cleared).tobytes()  # (not .tolist(): numpy drops a digest's trailing zero bytes)
@@ -214,7 +241,11 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig, d
         if f["sha256"] in done:
             f.update(held_out=False, status="cleared")
     flagged = {(f["split"], f.pop("row")) for f in files}
-    files += carried_holds(prepared_dir, [s for s in SPLITS if s in index["splits"]], list(index["classes"]), flagged)
+    splits = [s for s in SPLITS if s in index["splits"]]
+    files += carried_holds(prepared_dir, splits, list(index["classes"]), flagged)
+    listed = {f["sha256"] for f in files}
+    files += [f for f in listed_before(prepared_dir, splits, list(index["classes"]), previous or {}, set())
+              if f["sha256"] not in listed and f["sha256"] not in done]
     status = Counter(f["status"] for f in files)
     report.update(held_from_earlier_weeks=status["held"], cleared=status["cleared"],
                   open_flags=status["flagged"] + status["held"],

@@ -115,7 +115,7 @@ def mark_store(store: Path, ledger: Ledger, held: np.ndarray, generation: int) -
     return counts
 
 
-def last_list(path: Path | None, store: Path) -> tuple[Path | None, str | None]:
+def last_list(path: Path | None, store: Path, recheck: bool = True) -> tuple[Path | None, str | None]:
     """The delivery list this prepare must honour (None: none), and why a recorded one is not read.
 
     A list belongs to the store its check ran on: the delivery stage's `dvc.lock` entry records the
@@ -125,7 +125,7 @@ def last_list(path: Path | None, store: Path) -> tuple[Path | None, str | None]:
     catalog's store (the demo's list, in a clone that prepares the user's own photos) holds none of
     these photos. Neither is read, so neither blocks. Run by hand (no DVC, nothing recorded), the file
     at `path` is the list. A list that is this store's and cannot be read is refused: its holds would
-    be lost."""
+    be lost (`recheck`: the refusal offers to check the store again, which the delivery stage is)."""
     if path is None:
         return None, None
     path = Path(path)
@@ -158,7 +158,8 @@ def last_list(path: Path | None, store: Path) -> tuple[Path | None, str | None]:
                  f"storage URL`), then `dvc pull {rel}`")
     else:
         fetch = f"Fetch it: `dvc pull {'' if default else f'-r {remotes[0]} '}{rel}`"
+    again = "; or check that store again, which is back in place (`dvc repro -s delivery`); then rerun prepare" \
+        if recheck else ", then rerun"
     raise DataError(f"dvc.lock records the delivery list {rel} (md5 {out['md5'][:12]}...), the check of the store the "
                     f"last prepare wrote, but neither it nor its DVC cache object is here: the photos it holds out "
-                    f"would be trained on. {fetch}; or check that store again, which is back in place "
-                    f"(`dvc repro -s delivery`); then rerun prepare.")
+                    f"would be trained on. {fetch}{again}.")
