@@ -109,7 +109,7 @@ def test_a_held_photo_stays_out_the_following_weeks_until_relabelled_or_cleared(
     # Five held photos moved to the folder of their true colour, three cleared by a person: out of the hold.
     moved = [Path(r["source"]) for r in read_list(listed) if r["given"] == "red" and "new-w1-green-" in r["source"]][:5]
     for m in moved:
-        (tmp_path / "catalog" / m).rename(tmp_path / "catalog" / "green" / m.name)
+        (tmp_path / "catalog" / m).rename(tmp_path / "catalog" / "green" / f"moved-{m.name}")  # names of its own
     rows = [r for r in read_list(listed) if "new-w1-red-" in r["source"]][:3]
     cleared = tmp_path / "cleared.csv"
     assert clear_main(["--list", str(listed), "--cleared", str(cleared), "--note", "looked fine",

@@ -28,8 +28,8 @@ pair is named only inside a class that failed. The idea is confident learning's 
 2021; cleanlab's label-issue finder), with a reference rate and family-wise tests in place of its
 per-class thresholds.
 
-The flagged photos (a flagged pair's confident disagreements, or all of a flagged class's when none of its
-pairs stands out on its own) are listed by file; under `policy: hold_out` (the default) their lines say so and
+The flagged photos (every new photo of a flagged class: the delivery is held whole, not only the
+photos the champion is sure of) are listed by file; under `policy: hold_out` (the default) their lines say so and
 training, evaluation and the gate leave them out (`data.splits.held_out`); the next prepare records the hold in the
 split ledger, and every later week lists the photos still held (`status: held`) until their label changes or a
 person clears them in `data/delivery/cleared.csv` (`data.splits.holds`; a cleared photo is listed, never held).
@@ -117,8 +117,9 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
     a 1,000-test correction, not a 999,000-pair one. A flagged class none of whose pairs stands out on
     its own (its photos went to several classes) gets one row, predicted `OTHER_CLASSES`.
 
-    Returns the pairs with k > 0 (flagged first, then by p), the mask of new photos flagged (those of
-    a flagged row) and the classes tested at stage 1 (flagged first)."""
+    Returns the pairs with k > 0 (flagged first, then by p), the mask of new photos flagged (every new
+    photo of a flagged class: the delivery is held whole) and the classes tested at stage 1 (flagged
+    first)."""
     c = len(classes)
     sure = (conf >= cfg.confidence) & (pred >= 0) & (pred != given) & checked[given]
     ref_sure = (ref_conf >= cfg.confidence) & (ref_pred >= 0) & (ref_pred != ref_given)
@@ -158,8 +159,10 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
     index = {name: i for i, name in enumerate(classes)}
     pairs += [{**r, "predicted": OTHER_CLASSES} for r in class_rows if r["flagged"] and alone[index[r["given"]]]]
     pairs.sort(key=lambda r: (not r["flagged"], r["p"], -r["images"]))
-    photo_keys = given.astype(np.int64) * c + np.where(pred >= 0, pred, 0)
-    photos = sure & (np.isin(photo_keys, keys[flags]) | alone[given])
+    # A flagged class's delivery is held whole: beside the confident disagreements, its other new photos
+    # came from the same bad batch (the champion unsure, or fooled), and one confident mistake in
+    # three misfiled photos would otherwise leave two to train on.
+    photos = flagged_class[given] & checked[given]
     return pairs, photos, class_rows
 
 
