@@ -86,7 +86,8 @@ def test_promote_commits_the_record_into_the_version_it_registers(tmp_path, monk
     monkeypatch.setattr(promote_mod, "check_ready", lambda *args: "main")  # the remote's main, checked
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
-    blessed = {"blessed": True, "reasons": ["fine"], "warnings": [], "champion": None}
+    blessed = {"blessed": True, "reasons": ["fine"], "warnings": [], "champion": None,
+               "delivery": {"checked": False, "reason": "no champion yet", "open_flags": 0}}
     version, tags, new = promote_mod.promote(repo, CFG, blessed)
     assert (version, new) == ("v0.1.0", True)
     recorded = json.loads(sh(repo, "git", "show", f"m@v0.1.0:{REGISTRY_RECORD}").stdout)
@@ -134,7 +135,8 @@ def test_promote_takes_the_record_back_when_the_remotes_main_moved_on(tmp_path, 
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
     before = sh(repo, "git", "rev-parse", "HEAD").stdout
-    blessed = {"blessed": True, "reasons": ["fine"], "warnings": [], "champion": None}
+    blessed = {"blessed": True, "reasons": ["fine"], "warnings": [], "champion": None,
+               "delivery": {"checked": False, "reason": "no champion yet", "open_flags": 0}}
     with pytest.raises(promote_mod.Refused, match=f"could not push the commit recording {REGISTRY_RECORD}"):
         promote_mod.promote(repo, CFG, blessed)
     assert sh(repo, "git", "rev-parse", "HEAD").stdout == before and not (repo / REGISTRY_RECORD).exists()

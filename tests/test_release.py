@@ -11,6 +11,7 @@ import pytest
 
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.release import promote as promote_mod
+from cnnpipe.release.promote import open_flags
 from cnnpipe.release.production import REGISTRY_RECORD, ProductionUnknown, artifact_events, in_stage, \
     record_promotion, resolve
 
@@ -138,7 +139,8 @@ def promotable(registry, monkeypatch):
     return registry
 
 
-BLESSED = {"blessed": True, "reasons": ["fine"], "warnings": [], "champion": None}
+BLESSED = {"blessed": True, "reasons": ["fine"], "warnings": [], "champion": None,
+           "delivery": {"checked": False, "reason": "no champion yet", "open_flags": 0}}
 CFG = ReleaseConfig(artifact="m")
 
 
@@ -202,3 +204,19 @@ def test_a_push_that_loses_a_race_deletes_its_copies(registry, tmp_path):
     with pytest.raises(promote_mod.Refused, match="already has m#prod#1 from another promote"):
         promote_mod.publish(clone, "origin", ["m#prod#1"])
     assert git(clone, "tag", "-l") == ""
+
+
+def test_a_verdict_without_a_delivery_check_or_with_one_switched_off_is_asked_about():
+    """No delivery section is not "no flags", and a check that could not run (the store's inputs
+    changed since the champion's) is not a check passed: both are refusals that --accept-flagged
+    answers. Open flags say how many were held out and how many trained on."""
+    assert open_flags({**BLESSED}) is None
+    bare = {k: v for k, v in BLESSED.items() if k != "delivery"}
+    assert "records no delivery check" in open_flags(bare)
+    switched_off = {**BLESSED, "delivery": {"checked": False, "unchecked": 37, "open_flags": 0,
+                                            "reason": "the champion was trained on other inputs than this store"}}
+    said = open_flags(switched_off)
+    assert "did not run on 37 new photo(s)" in said and "other inputs" in said
+    reported = {**BLESSED, "delivery": {"checked": True, "flagged": True, "open_flags": 12, "held_out_images": 5,
+                                        "held_from_earlier_weeks": 5, "policy": "report", "pairs": []}}
+    assert "5 held out of training, 7 trained on" in open_flags(reported)

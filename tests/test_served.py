@@ -68,7 +68,8 @@ def promoted(tmp_path_factory) -> tuple[Path, Path, Path]:
     (project / "train.py").write_text("import pathlib, sys\nout = pathlib.Path(sys.argv[1])\nout.mkdir(parents=True)\n"
                                       "(out / 'best.pt').write_bytes(b'judged weights')\n"
                                       "(out / 'last.pt').write_bytes(b'last epoch')\n")
-    (project / "gate.py").write_text("import json\njson.dump({'blessed': True, 'reasons': ['fine'], 'warnings': []}, "
+    (project / "gate.py").write_text("import json\njson.dump({'blessed': True, 'reasons': ['fine'], 'warnings': [], "
+                                     "'delivery': {'checked': False, 'open_flags': 0}}, "
                                      "open('metrics/gate.json', 'w'))\n")
     sh(project, "dvc", "repro", "-q")
     sh(project, "git", "add", "-A")

@@ -172,9 +172,13 @@ def _sources(prepared_dir: Path, split: str, rows: np.ndarray) -> list[dict[str,
             for meta in split_meta(in_folder(prepared_dir), split, rows)]
 
 
-def _passes(about: dict[str, Any], cfg: DeliveryConfig, reason: str, new: int = 0) -> dict[str, Any]:
+def _passes(about: dict[str, Any], cfg: DeliveryConfig, reason: str, new: int = 0,
+            unchecked: int = 0) -> dict[str, Any]:
+    """A report of a check that did not run: `unchecked` new photos it should have checked (promote
+    asks before such a week reaches production: a check switched off is not a check passed)."""
     return {"checked": False, "reason": reason, "flagged": False, "policy": cfg.policy,
-            "champion": about.get("version"), "new_images": new, "flagged_images": 0, "pairs": [], "files": []}
+            "champion": about.get("version"), "new_images": new, "flagged_images": 0, "pairs": [], "files": [],
+            "unchecked": unchecked}
 
 
 def new_to_champion(prepared_dir: Path, splits: list[str], meta: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -252,6 +256,7 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig, d
     status = Counter(f["status"] for f in files)
     report.update(held_from_earlier_weeks=status["held"], cleared=status["cleared"],
                   open_flags=status["flagged"] + status["held"],
+                  held_out_images=sum(f["held_out"] for f in files if f["status"] != "cleared"),
                   files=[f["source"] for f in files if f["status"] != "cleared"][:FIRST_FILES])
     return report, files
 
@@ -273,7 +278,7 @@ def _check(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig,
     other = recipe_differences(recipe_of(meta), store_recipe(index), STORE_KEYS)
     if other:
         return _passes(about, rules, f"the champion was trained on other inputs than this store ({'; '.join(other)}): "
-                       "its answers on these pixels mean nothing", new_total), []
+                       "its answers on these pixels mean nothing", new_total, unchecked=new_total), []
     # The champion's class index -> today's (renamed classes followed; a class gone: -1).
     today = {name: i for i, name in enumerate(classes)}
     to_today = np.array([today.get(cfg.renamed.get(name, name), -1) for name in meta["classes"]], np.int64)

@@ -114,9 +114,17 @@ def check_on_main(repo: Path, remote: str) -> str:
 
 
 def open_flags(verdict: dict[str, Any]) -> str | None:
-    """What the delivery check left open (photos flagged this week or held since, not cleared), as the
-    lines of a refusal; None when nothing is open (or the verdict predates the delivery check)."""
+    """What the delivery check left open (photos flagged this week or held since, not cleared; new
+    photos it could not check; no check recorded at all), as the lines of a refusal; None when nothing
+    is open. A verdict without a delivery section is not one without flags: it is asked about."""
+    if "delivery" not in verdict:
+        return ("the gate's verdict records no delivery check (metrics/gate.json written without "
+                "metrics/delivery.json): rerun `dvc repro gate` and commit; or promote anyway with --accept-flagged")
     checked = verdict.get("delivery") or {}
+    if checked.get("unchecked"):
+        return (f"the delivery check did not run on {checked['unchecked']} new photo(s): {checked.get('reason')}. "
+                "Nothing stands between a mislabelled delivery and production this week: look at the new photos, "
+                "or retrain the champion on this store's inputs first; then promote with --accept-flagged")
     count = checked.get("open_flags")
     if count is None:  # a report older than holds: its flags are this week's
         count = checked.get("flagged_images") or 0 if checked.get("flagged") else 0
@@ -125,9 +133,11 @@ def open_flags(verdict: dict[str, Any]) -> str | None:
     pairs = [f"  - {r['images']} of {r['of']} new {r['given']!r} photos look like {r['predicted']!r}"
              for r in checked.get("pairs") or []]
     held = checked.get("held_from_earlier_weeks") or 0
+    held_out = checked.get("held_out_images")
+    trained = "" if held_out is None else f"; {held_out} held out of training, {count - held_out} trained on"
     where = checked.get("list") or "data/delivery/flagged.csv"
     return "\n".join([f"the delivery check left {count} flagged photo(s) open (policy {checked.get('policy')}; "
-                      f"{held} held since an earlier week), listed in {where}:", *pairs,
+                      f"{held} held since an earlier week{trained}), listed in {where}:", *pairs,
                       "fix their labels in the catalog, or clear them (`python -m cnnpipe.release.clear --note WHY "
                       "--all`: data/delivery/cleared.csv), then rerun `dvc repro gate` and commit; or promote anyway "
                       "with --accept-flagged"])

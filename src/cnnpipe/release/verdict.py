@@ -151,7 +151,8 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
         checked = json.loads(delivery.read_text())
         verdict["delivery"] = {k: checked.get(k) for k in ("checked", "reason", "flagged", "policy", "new_images",
                                                             "new_since", "flagged_images", "pairs", "list",
-                                                            "held_from_earlier_weeks", "cleared", "open_flags")}
+                                                            "held_from_earlier_weeks", "cleared", "open_flags",
+                                                            "held_out_images", "unchecked")}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "gate.json", verdict)
     (out_dir / "gate.md").write_text(render(verdict), encoding="utf-8")
