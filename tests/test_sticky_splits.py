@@ -213,8 +213,8 @@ def test_a_fresh_clone_whose_dvc_lock_names_a_ledger_it_lacks_refuses_with_the_f
     with pytest.raises(DataError) as err:
         prepare(cfg, 0, data / "prepared", tmp_path / "r.json", ledger_dir=data / "split_ledger")
     assert "dvc.lock records data/split_ledger" in str(err.value) and "dvc pull" in str(err.value)
-    assert "data.split_reset" in str(err.value) and not (data / "prepared").exists()
-    reset = dataclasses.replace(cfg, split_reset="new machine")  # starting over on purpose is allowed
+    assert "data.split_reset" not in str(err.value) and not (data / "prepared").exists()  # no advice that forgets
+    reset = dataclasses.replace(cfg, split_reset="new machine")  # starting over on purpose is allowed (docs/data.md)
     assert prepare(reset, 0, data / "prepared", tmp_path / "r.json", ledger_dir=data / "split_ledger")["ledger"][
         "reset"] == "new machine"
 

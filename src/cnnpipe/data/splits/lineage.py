@@ -157,9 +157,11 @@ def missing_history(found: Found, folder: Path, what: str, root: Path | None, le
                 f"{', '.join(remotes)})"
     else:
         fetch = f"Fetch it first: `dvc pull {folder}` (from DVC remote {default!r}; the store is not needed)"
-    again = (f"data.split_reset={leftover!r} is the name of a redraw already recorded, not a new one: "
+    again = (f" (data.split_reset={leftover!r} is the name of a redraw already recorded: it redraws nothing)"
              if leftover else "")
+    # No reset is offered: a new ledger would forget which photos were ever held out, trained on or held
+    # by the delivery check, the memory this refusal exists to keep (docs/data.md: when no copy is left).
     return (f"{found.recorded}: the {what} of an earlier prepare of this catalog, but neither {folder} nor its DVC "
-            "cache objects are here (a fresh clone, a new machine?). Drawn again without it, held-out photos could "
-            f"land in train. {fetch}, then rerun. {again}To draw every split again knowingly instead, set "
-            "data.split_reset to a name not used before (`-S data.split_reset=NAME`).")
+            "cache objects are here (a fresh clone, a new machine?). It remembers which photos were held out, once "
+            "trained on and held by the delivery check; drawn again without it, held-out photos could land in train. "
+            f"{fetch}, then rerun{again}.")
