@@ -12,11 +12,13 @@ Then the class count (`--scale`): at 10, 100 and 1,000 classes, a champion's ans
 (right 90% of the time and sure of it 90% of those, else one of three look-alike classes, sure 30%
 of those; the same law for the old test photos and an honest delivery), `--scale-per-class` old test
 photos and new photos a class. How often an honest week is flagged, and how often a week whose one
-class's delivery is ten photos of another class, all filed wrong, is flagged (that class and pair),
+class's delivery is ten photos of another class filed wrong (alone, or beside 10 or 20 honest ones) is
+flagged (that class and pair),
 by the two-stage rule and by Holm over every (given, predicted) pair.
 
     python bench/delivery_check.py --weeks 400 --new-per-class 200 --test-per-class 100
     python bench/delivery_check.py --scale --weeks 1000
+    python bench/delivery_check.py --scale --spread --weeks 1000
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy.stats import betabinom
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
@@ -74,49 +77,58 @@ def week(rng: np.random.Generator, by_class: list[np.ndarray], new: int, test: i
     return np.concatenate(test_rows), np.concatenate(new_rows), np.concatenate(given), np.concatenate(swapped)
 
 
-def honest_answers(rng: np.random.Generator, classes: int, per_class: int) -> tuple[np.ndarray, ...]:
-    """(given, predicted, confidence) of `per_class` photos a class, filed right (tests/test_delivery.py's law)."""
+def honest_answers(rng: np.random.Generator, classes: int, per_class: int,
+                   rates: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """(given, predicted, confidence) of `per_class` photos a class, filed right (tests/test_delivery.py's law;
+    `rates`: each class's own share of wrong answers instead of 10% for all)."""
     given = np.repeat(np.arange(classes), per_class)
-    wrong = rng.random(len(given)) < 0.1
+    wrong = rng.random(len(given)) < (0.1 if rates is None else rates[given])
     pred = np.where(wrong, (given + rng.integers(1, 4, len(given))) % classes, given)
     sure = rng.random(len(given)) < np.where(wrong, 0.3, 0.9)
     return given, pred, np.where(sure, 0.95, 0.5)
 
 
 def every_pair_flags(pairs: list[dict], classes: int, cfg: DeliveryConfig) -> set[tuple[str, str]]:
-    """The pairs the one-stage rule flags: Holm over all C(C - 1) pairs, with the same floors."""
+    """The pairs the one-stage rule flags: Holm over all C(C - 1) pairs, with the same floors, each
+    pair's rate under the uniform prior on its own test photos (the rule before the pooled priors)."""
     rows = [r for r in pairs if r["predicted"] != OTHER_CLASSES]
-    adjusted = grouped_holm(np.array([r["p"] for r in rows]), np.zeros(len(rows), np.int64),
-                            np.array([classes * (classes - 1)]))
+    p = [betabinom.sf(r["images"] - 1, r["of"], r["test_disagreements"] + 1,
+                      r["test_images"] - r["test_disagreements"] + 1) for r in rows]
+    adjusted = grouped_holm(np.array(p), np.zeros(len(rows), np.int64), np.array([classes * (classes - 1)]))
     return {(r["given"], r["predicted"]) for r, h in zip(rows, adjusted)
             if h <= cfg.alpha and r["images"] >= cfg.min_images and r["share"] >= cfg.min_share}
 
 
-def planted(rng: np.random.Generator, classes: int, per_class: int, honest_left: int) -> tuple[np.ndarray, ...]:
+def planted(rng: np.random.Generator, classes: int, per_class: int, honest_left: int,
+            rates: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """An honest delivery in which class 0's photos are `honest_left` of its own and ten of class 1
     filed under 0, the champion sure they are 1."""
-    given, pred, conf = honest_answers(rng, classes, per_class)
+    given, pred, conf = honest_answers(rng, classes, per_class, rates)
     keep = (given != 0) | (np.cumsum(given == 0) <= honest_left)
     return tuple(np.r_[x[keep], np.full(10, v)] for x, v in ((given, 0), (pred, 1), (conf, 0.97)))
 
 
-def scale(weeks: int, per_class: int, seed: int) -> None:
-    """Honest weeks and weeks with ten photos filed wrong in one class, at 10, 100 and 1,000 classes, both rules."""
+def scale(weeks: int, per_class: int, seed: int, spread: bool = False) -> None:
+    """Honest weeks and weeks with ten photos filed wrong in one class, at 10, 100 and 1,000 classes, both
+    rules. `spread`: each class its own share of wrong answers, drawn each week from Beta(0.5, 4.5)
+    (mean 10%, a tenth of the classes above 25%: look-alike classes), for the champion's test answers
+    and the delivery alike."""
     cfg = DeliveryConfig()
     rng = np.random.default_rng(seed)
     print(f"\n{weeks} weeks a row; {per_class} old test photos and {per_class} new photos a class, except class 0 in "
-          "the weeks with photos filed wrong: ten of class 1 under its label, with 0 or 10 of its own\n")
+          "the weeks with photos filed wrong: ten of class 1 under its label, with 0, 10 or 20 of its own\n")
     print("| Classes | Week | Flagged: the class, two-stage | Flagged: the pair, two-stage | "
           "Flagged: the pair, Holm over every pair |")
     print("|---:|---|---:|---:|---:|")
     for c in (10, 100, 1000):
         names = [f"c{i}" for i in range(c)]
         everyone = np.ones(c, bool)
-        counts = np.zeros((3, 3), np.int64)
+        counts = np.zeros((4, 3), np.int64)
         for _ in range(weeks):
-            test = honest_answers(rng, c, per_class)
-            for row, new in enumerate((honest_answers(rng, c, per_class), planted(rng, c, per_class, 0),
-                                       planted(rng, c, per_class, 10))):
+            rates = rng.beta(0.5, 4.5, c) if spread else None
+            test = honest_answers(rng, c, per_class, rates)
+            for row, new in enumerate((honest_answers(rng, c, per_class, rates), planted(rng, c, per_class, 0, rates),
+                                       planted(rng, c, per_class, 10, rates), planted(rng, c, per_class, 20, rates))):
                 pairs, _, classes = flag_pairs(*new, *test, names, everyone, cfg)
                 if row == 0:  # honest: any flag at all is a false one
                     counts[row] += (any(r["flagged"] for r in classes), any(r["flagged"] for r in pairs),
@@ -125,7 +137,8 @@ def scale(weeks: int, per_class: int, seed: int) -> None:
                     counts[row] += (any(r["given"] == "c0" and r["flagged"] for r in classes),
                                     any((r["given"], r["predicted"]) == ("c0", "c1") and r["flagged"] for r in pairs),
                                     ("c0", "c1") in every_pair_flags(pairs, c, cfg))
-        for row, week in enumerate(("honest (any flag)", "10 of 10 filed wrong", "10 of 20 filed wrong")):
+        for row, week in enumerate(("honest (any flag)", "10 of 10 filed wrong", "10 of 20 filed wrong",
+                                    "10 of 30 filed wrong")):
             print(f"| {c:,} | {week} | " + " | ".join(f"{x / weeks:.1%}" for x in counts[row]) + " |")
 
 
@@ -139,11 +152,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale", action="store_true", help="only the 10/100/1,000-class table")
     parser.add_argument("--scale-per-class", type=int, default=20, help="old test and new photos a class (--scale)")
+    parser.add_argument("--spread", action="store_true", help="--scale with each class its own error rate")
     args = parser.parse_args()
     start = time.perf_counter()
     torch.set_num_threads(1)
     if args.scale:
-        scale(args.weeks, args.scale_per_class, args.seed)
+        scale(args.weeks, args.scale_per_class, args.seed, args.spread)
         print(f"({time.perf_counter() - start:.0f} s)")
         return
     cfg = DeliveryConfig()

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import betabinom
 import pytest
 import timm
 import torch
@@ -17,7 +18,7 @@ from cnnpipe.config import DataConfig
 from cnnpipe.data.loaders.transforms import normalize
 from cnnpipe.data.prepare import prepare
 from cnnpipe.params import ParamsError, release_config
-from cnnpipe.release.delivery import OTHER_CLASSES, check_delivery, flag_pairs, grouped_holm
+from cnnpipe.release.delivery import OTHER_CLASSES, check_delivery, flag_pairs, grouped_holm, pooled_prior
 from cnnpipe.release_config import DeliveryConfig, ReleaseConfig
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.recipe import input_recipe
@@ -185,7 +186,8 @@ def test_ten_photos_filed_wrong_among_1000_classes_are_flagged():
     flagged = [(r["given"], r["predicted"]) for r in pairs if r["flagged"]]
     assert flagged == [("c0007", "c0008")] and [r["given"] for r in classes if r["flagged"]] == ["c0007"]
     assert set(np.flatnonzero(photos)) == set(planted)
-    assert pairs[0]["images"] == 10 and pairs[0]["p"] * 999_000 > DeliveryConfig().alpha  # the old rule's miss
+    uniform = betabinom.sf(9, 10, pairs[0]["test_disagreements"] + 1, 20 - pairs[0]["test_disagreements"] + 1)
+    assert pairs[0]["images"] == 10 and uniform * 999_000 > DeliveryConfig().alpha  # the old rule's miss
 
 
 def test_photos_filed_wrong_towards_several_classes_flag_their_class():
@@ -369,3 +371,31 @@ def test_every_stage_that_reads_photos_for_the_model_runs_after_the_check():
         stage = stages[name].get("do", stages[name])
         assert listed in stage["deps"] and f"--held-out {listed}" in " ".join(stage["cmd"].split()), name
     assert "metrics/delivery.json" in stages["gate"]["deps"]
+
+
+@pytest.mark.parametrize("classes", [10, 100, 1000])
+def test_ten_photos_filed_wrong_among_twenty_honest_ones_are_flagged(classes):
+    """Class 7's delivery: its twenty honest photos and ten of class 8 filed under 7, the champion sure
+    they are 8; 20 old test photos a class. Against a uniform prior on class 7's own 20 test photos,
+    ten confident disagreements among thirty never stood out at any class count; against the rate
+    the other classes pin down (`pooled_prior`), the class is flagged, and held whole."""
+    rng = np.random.default_rng(classes)
+    test = honest_answers(rng, classes, 20)
+    given, pred, conf = honest_answers(rng, classes, 20)
+    given, pred, conf = (np.r_[x, np.full(10, v)] for x, v in ((given, 7), (pred, 8), (conf, 0.97)))
+    pairs, photos, flagged = check((given, pred, conf), test, classes)
+    assert [r["given"] for r in flagged if r["flagged"]] == ["c0007"], [r for r in flagged if r["flagged"]]
+    assert set(np.flatnonzero(photos)) == set(np.flatnonzero(given == 7))  # all thirty held until a person looks
+
+
+def test_the_pooled_prior_follows_the_classes_spread():
+    """The same pooled rate, the strength by how much the classes differ beyond their binomial noise:
+    alike classes pin it down (the ceiling), scattered ones leave each class near its own count."""
+    n = np.full(100, 20)
+    alike = np.full(100, 1)
+    a0, b0 = pooled_prior(alike, n)
+    assert a0 / (a0 + b0) == pytest.approx(0.05) and a0 + b0 == pytest.approx(1000.0)
+    scattered = np.r_[np.zeros(50, np.int64), np.full(50, 2)]  # the same mean, some look-alike classes
+    scattered[:10] = 10
+    a1, b1 = pooled_prior(scattered, n)
+    assert a1 + b1 < 20 and pooled_prior(alike[:4], n[:4]) == (1.0, 1.0)  # too few classes: uniform

@@ -12,9 +12,12 @@ champion is confident is another class is a confident disagreement. The test run
    against the champion's own confident disagreements m among the N_a old test photos of a (so a
    class it usually gets wrong is not flagged). The p-value is P(X >= k) where X is what an honest
    delivery would show: binomial in n at the champion's rate, that rate uncertain as the test split
-   leaves it (Beta(m + 1, N_a - m + 1), the uniform prior's posterior: X is beta-binomial, and its
-   mean rate (m + 1) / (N_a + 2) is the `expected` share reported). A small test split thus asks for
-   more evidence, instead of flagging honest weeks whenever it happened to see few confusions.
+   leaves it (Beta(m + a0, N_a - m + b0): X is beta-binomial, and its mean rate is the `expected`
+   share reported). The prior (a0, b0) is fitted across the classes (`pooled_prior`, empirical
+   Bayes): at 20 test photos a class, the other classes pin down what a class's rate can be, where a
+   uniform prior left it so loose that ten misfiled photos among twenty honest ones never stood out.
+   A small test split still asks for more evidence, and a class the champion usually gets wrong
+   keeps its own rate.
    Holm over the classes a flag could reach (checked, at least `min_images` new photos) at
    `release.delivery.alpha`, with at least `min_images` disagreements making `min_share` of n;
 2. inside each flagged class: the same test per (a, predicted b) pair, against the champion's a -> b
@@ -102,6 +105,51 @@ def _counts(given: np.ndarray, pred: np.ndarray, c: int) -> tuple[np.ndarray, np
     return np.unique(given.astype(np.int64) * c + pred, return_counts=True)
 
 
+def _beta_prior(mu: float, spread: float, noise: float, floor: float, ceiling: float) -> tuple[float, float]:
+    """A Beta prior by the method of moments: mean `mu`, strength from the rates' weighted `spread`
+    beyond their binomial `noise` (none beyond it: the `ceiling`), kept in [`floor`, `ceiling`]."""
+    mu = float(np.clip(mu, 1e-6, 1 - 1e-6))
+    between = spread - noise
+    strength = ceiling if between <= 0 else float(np.clip(mu * (1 - mu) / between - 1, floor, ceiling))
+    return mu * strength, (1 - mu) * strength
+
+
+def pooled_prior(m: np.ndarray, n: np.ndarray, floor: float = 2.0, ceiling: float = 1000.0) -> tuple[float, float]:
+    """The Beta prior of a class's confident-disagreement rate, fitted across classes (empirical Bayes,
+    method of moments for a beta-binomial): (a0, b0) with mean the pooled rate sum(m) / sum(n) and a
+    strength a0 + b0 from how much the classes' rates differ beyond their binomial noise, kept in
+    [`floor`, `ceiling`]. A class's own few test photos (20 of each at 1,000 classes) then refine a
+    rate the other classes already pin down, instead of standing alone under a uniform prior, whose
+    uncertainty hid ten misfiled photos among twenty honest ones. Classes that differ a lot (some
+    look-alikes) weaken the prior, and a class the champion usually gets wrong keeps its own rate.
+    Fewer than five classes with test photos: the uniform prior (1, 1)."""
+    have = n > 0
+    if have.sum() < 5:
+        return 1.0, 1.0
+    m, n = m[have].astype(np.float64), n[have].astype(np.float64)
+    mu = float(m.sum() / n.sum())
+    spread = float(np.average((m / n - mu) ** 2, weights=n))
+    return _beta_prior(mu, spread, mu * (1 - mu) * float(np.mean(1.0 / n)), floor, ceiling)
+
+
+def pooled_pair_prior(keys: np.ndarray, m: np.ndarray, n: np.ndarray, c: int, floor: float = 2.0,
+                      ceiling: float = 1000.0) -> tuple[float, float]:
+    """`pooled_prior` for the (given a, predicted b) rates m_ab / n_a over every pair of the classes
+    with test photos (`keys` = a * c + b and `m` list the pairs that occur; the C(C - 1) others are
+    zeros, counted without being listed). Look-alike pairs make the rates scatter, which keeps this
+    prior weak where they exist; it matters where a pair's own count is zero of 20."""
+    have = n > 0
+    if have.sum() < 5 or c < 2:
+        return 1.0, 1.0
+    weight_all = float(n[have].sum()) * (c - 1)
+    a = keys // c
+    listed = have[a]
+    m_l, n_l = m[listed].astype(np.float64), n[a[listed]].astype(np.float64)
+    mu = float(m_l.sum() / weight_all)
+    spread = (float(np.sum(n_l * (m_l / n_l - mu) ** 2)) + mu**2 * (weight_all - float(n_l.sum()))) / weight_all
+    return _beta_prior(mu, spread, mu * (1 - mu) * float(np.mean(1.0 / n[have])), floor, ceiling)
+
+
 def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given: np.ndarray,
                ref_pred: np.ndarray, ref_conf: np.ndarray, classes: list[str], checked: np.ndarray,
                cfg: DeliveryConfig) -> tuple[list[dict[str, Any]], np.ndarray, list[dict[str, Any]]]:
@@ -128,14 +176,16 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
     big_m = np.bincount(ref_given[ref_sure], minlength=c)
     able = checked & (n >= cfg.min_images)  # the classes a flag could reach: stage 1's family
     tested = np.flatnonzero(able & (big_k > 0))
-    p_class = betabinom.sf(big_k[tested] - 1, n[tested], big_m[tested] + 1, n_ref[tested] - big_m[tested] + 1)
+    a0, b0 = pooled_prior(big_m[checked], n_ref[checked])
+    p_class = betabinom.sf(big_k[tested] - 1, n[tested], big_m[tested] + a0, n_ref[tested] - big_m[tested] + b0)
     p_class_holm = grouped_holm(p_class, np.zeros(len(tested), np.int64), np.array([able.sum()]))
     class_flags = ((p_class_holm <= cfg.alpha) & (big_k[tested] >= cfg.min_images)
                    & (big_k[tested] / n[tested] >= cfg.min_share))
     flagged_class = np.zeros(c, bool)
     flagged_class[tested[class_flags]] = True
     class_rows = [{"given": classes[i], "images": int(big_k[i]), "of": int(n[i]), "share": float(big_k[i] / n[i]),
-                   "expected": float((big_m[i] + 1) / (n_ref[i] + 2)), "test_images": int(n_ref[i]), "p": float(q),
+                   "expected": float((big_m[i] + a0) / (n_ref[i] + a0 + b0)), "test_images": int(n_ref[i]),
+                   "test_disagreements": int(big_m[i]), "p": float(q),
                    "p_holm": float(h), "flagged": bool(f)}
                   for i, q, h, f in zip(tested, p_class, p_class_holm, class_flags)]
     class_rows.sort(key=lambda r: (not r["flagged"], r["p"], -r["images"]))
@@ -147,11 +197,13 @@ def flag_pairs(given: np.ndarray, pred: np.ndarray, conf: np.ndarray, ref_given:
     if len(ref_keys):
         at = np.minimum(np.searchsorted(ref_keys, keys), len(ref_keys) - 1)
         m = np.where(ref_keys[at] == keys, ref_k[at], 0)
-    p = betabinom.sf(k - 1, n[a], m + 1, n_ref[a] - m + 1)  # P(X >= k)
+    pa0, pb0 = pooled_pair_prior(ref_keys, ref_k, np.where(checked, n_ref, 0), c)
+    p = betabinom.sf(k - 1, n[a], m + pa0, n_ref[a] - m + pb0)  # P(X >= k)
     p_holm = grouped_holm(p, a, np.full(c, c - 1))
     flags = flagged_class[a] & (p_holm <= cfg.alpha) & (k >= cfg.min_images) & (k / n[a] >= cfg.min_share)
     pairs = [{"given": classes[i], "predicted": classes[j], "images": int(x), "of": int(n[i]), "share": float(x / n[i]),
-              "expected": float((y + 1) / (n_ref[i] + 2)), "test_images": int(n_ref[i]), "p": float(q),
+              "expected": float((y + pa0) / (n_ref[i] + pa0 + pb0)), "test_images": int(n_ref[i]),
+              "test_disagreements": int(y), "p": float(q),
               "p_holm": float(h), "flagged": bool(f)}
              for i, j, x, y, q, h, f in zip(a, b, k, m, p, p_holm, flags)]
     alone = flagged_class.copy()
