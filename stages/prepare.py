@@ -8,7 +8,7 @@ from pathlib import Path
 from cnnpipe.data.sources.idx import DatasetMissing
 from cnnpipe.data.prepare import DataError, prepare
 from cnnpipe.data.ingest.workers import DecodersFailed
-from cnnpipe.params import ParamsError, data_config, load_params
+from cnnpipe.params import ParamsError, data_config, load_params, release_config
 
 
 def main() -> int:
@@ -26,7 +26,8 @@ def main() -> int:
         report = prepare(data_config(raw), raw.get("seed", 0), Path(args.out), Path(args.report),
                          Path(args.ledger) if args.ledger else None,
                          held_out=Path(args.held_out) if args.held_out else None,
-                         cleared=Path(args.cleared) if args.cleared else None)
+                         cleared=Path(args.cleared) if args.cleared else None,
+                         renamed=dict(release_config(raw).renamed))
     except (ParamsError, DataError, DatasetMissing, DecodersFailed) as exc:
         print(f"prepare: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cnnpipe.config import DataConfig
-from cnnpipe.data.splits.held_out import open_judged, open_kept
+from cnnpipe.data.splits.held_out import open_compared, open_judged, open_kept
 from cnnpipe.data.splits.holds import read_held_list
 from cnnpipe.data.splits.ledger import HOLD
 from cnnpipe.data.prepare import prepare
@@ -234,3 +234,27 @@ def test_a_rerun_of_the_check_alone_keeps_the_last_checks_holds(tmp_path):
     assert clear_main(["--list", str(listed), "--cleared", str(cleared), "--note", "checked", "--sha256", *first]) == 0
     report, files = check_delivery(prepared, later, ReleaseConfig(), torch.device("cpu"), cleared, previous)
     assert report["open_flags"] == len(held) - 3 and not set(first) & {f["sha256"] for f in files if f["held_out"]}
+
+
+def test_a_known_photo_relabelled_is_checked_like_a_new_one_and_left_out_of_the_gates_comparison(tmp_path):
+    """Thirty photos the champion's data held as red, now filed under green (a supplier's re-export):
+    arrival is by content, so they were never checked. Marked relabelled, they are new to the check,
+    which flags them; their test photos, which favour a challenger trained on the new labels, are left
+    out of the gate's comparison and counted. A class renamed on purpose relabels nothing."""
+    cfg, prepared = week_store(tmp_path)
+    champion = champion_of(tmp_path / "champion", 2)  # trained on this store: nothing is new to it
+    assert check_delivery(prepared, champion, ReleaseConfig(), torch.device("cpu"))[0]["new_images"] == 0
+    moved = sorted((tmp_path / "catalog" / "red").glob("old-*.png"))[:30]
+    for path in moved:
+        path.rename(tmp_path / "catalog" / "green" / path.name.replace("old-", "was-red-"))
+    report = prepare(cfg, 0, prepared, tmp_path / "report.json")
+    assert sum(report["holds"]["relabelled"].values()) == 30
+    checked, files = check_delivery(prepared, champion, ReleaseConfig(), torch.device("cpu"))
+    assert checked["new_images"] == 30 and checked["flagged"]
+    assert {f["source"] for f in files} == {f"green/{p.name.replace('old-', 'was-red-')}" for p in moved}
+    _, kept, left_out = open_compared(prepared, "test", None)
+    in_test = int(np.load(prepared / "test_relabelled.npy").sum())
+    assert in_test > 0 and left_out["relabelled"] == in_test and len(kept) == len(open_split(prepared, "test")) - in_test
+    (tmp_path / "catalog" / "red").rename(tmp_path / "catalog" / "scarlet")
+    renamed = prepare(cfg, 0, prepared, tmp_path / "report.json", renamed={"red": "scarlet"})
+    assert sum(renamed["holds"]["relabelled"].values()) == 0  # red's photos are scarlet's now, on purpose

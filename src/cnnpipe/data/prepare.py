@@ -295,11 +295,13 @@ def _ledger_update(ledger: Ledger, records: np.ndarray, paths: list[str], reset:
 
 # --------------------------------------------------------------------------- entry point
 def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger_dir: Path | None = None,
-            held_out: Path | None = None, cleared: Path | None = None) -> dict[str, Any]:
+            held_out: Path | None = None, cleared: Path | None = None,
+            renamed: dict[str, str] | None = None) -> dict[str, Any]:
     """Write the prepared data set to `out_dir`, its split ledger to `ledger_dir` (default: beside
     it, `<out_dir>_ledger`) and the data report to `report_path`. The photos the last delivery list
     `held_out` holds out, and those the ledger already holds, stay held under their label unless
-    cleared in `cleared` (`data.splits.holds`).
+    cleared in `cleared` (`data.splits.holds`). A photo whose label changed (other than by a class
+    `renamed` on purpose, old -> new) is marked so, and new to the delivery check.
 
     The new store and ledger are written beside the old ones (`<name>.new`) and swapped in by renames
     (`swap`), so no file of the old store is ever rewritten: a trainer that has it memory-mapped (a
@@ -353,7 +355,7 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
                             "resets": ledger.resets + ([header["reset"]] if reset else []), "catalog": identity,
                             "rule_changed": ledger.rule is not None and ledger.rule != rule,
                             "read_from": ledger_found.tree.origin if ledger_found.tree else None}
-        report["holds"] = mark_store(new_store, ledger, records["digest"][held], done["segments"])
+        report["holds"] = mark_store(new_store, ledger, records["digest"][held], done["segments"], renamed)
     except BaseException:
         shutil.rmtree(new_store, ignore_errors=True)
         shutil.rmtree(new_ledger, ignore_errors=True)

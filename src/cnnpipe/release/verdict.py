@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cnnpipe.release_config import ReleaseConfig
-from cnnpipe.data.splits.held_out import open_judged
+from cnnpipe.data.splits.held_out import open_compared
 from cnnpipe.data.loaders.host import build_eval_loader
 from cnnpipe.data.store.shards import PreparedSplit, read_index
 from cnnpipe.files import ANCHOR_DIR, CHAMPION_FILE, file_sha256, write_json
@@ -92,10 +92,12 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
     week's relabels (from prepare's `data_report`) are reported beside the verdict, and the delivery
     check's flags when its report `delivery` exists; the test photos its list `held_out` holds out,
     and those whose bytes were ever in a training split (a model may have memorised them), are left
-    out of both models' test (`data.splits.held_out.open_judged`), the latter counted in the verdict."""
+    out of both models' test, and so are those filed under another label than the ledger knew
+    (`data.splits.held_out.open_compared`), the last two counted in the verdict."""
     index = read_index(prepared_dir)
     classes, store = list(index["classes"]), store_recipe(index)
-    split, kept, memorised = open_judged(prepared_dir, "test", held_out)
+    split, kept, left_out = open_compared(prepared_dir, "test", held_out)
+    memorised = left_out["trained"]
     metrics = json.loads((challenger_metrics / "eval.json").read_text())
     about = json.loads((champion / CHAMPION_FILE).read_text()) if (champion / CHAMPION_FILE).exists() else {}
     rules = GateRules.from_config(cfg)
@@ -134,11 +136,15 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
     if memorised:
         notes.append(f"{memorised} test image(s) were in a training split before (the split ledger): a model may "
                      "have learned them, so they are left out of the comparison")
+    if left_out["relabelled"]:
+        notes.append(f"{left_out['relabelled']} test image(s) are filed under another label than the split ledger "
+                     "knew: the champion learnt the old one, so they are left out of the comparison")
     verdict["warnings"] = verdict.get("warnings", []) + notes + relabelled
     verdict["champion"] = about or None
     verdict["challenger"] = {"model": str(challenger / "best.pt"), "sha256": file_sha256(challenger / "best.pt"),
                              "input": recipe_of(meta), "test_images": len(split),
-                             "test_images_once_trained_on": memorised}
+                             "test_images_once_trained_on": memorised,
+                             "test_images_relabelled": left_out["relabelled"]}
     verdict["rules"] = {"margin": cfg.margin, "confidence": rules.confidence, "power": rules.power,
                         "class_confidence": rules.class_confidence,
                         "min_support": cfg.min_support, "max_class_drop": cfg.max_class_drop,

@@ -104,19 +104,38 @@ def open_judged(prepared_dir: Path, split: str, list_path: Path | None,
     `<split>_trained.npy`): what a model is judged on, since one that trained on a photo may have
     memorised it. Returns the split, the kept rows' indices (None: all) and how many such photos
     (not held out anyway) were left out."""
+    opened, kept, counts = _judged(prepared_dir, split, list_path, limit, ("trained",))
+    return opened, kept, counts["trained"]
+
+
+def open_compared(prepared_dir: Path, split: str,
+                  list_path: Path | None) -> tuple[PreparedSplit, np.ndarray | None, dict[str, int]]:
+    """`open_judged` for the gate's comparison of two models: also without the photos whose label
+    changed this week (`<split>_relabelled.npy`), which favour a challenger trained on the new labels
+    against a champion that learnt the old. Returns the split, the kept rows (None: all) and how many
+    each mark left out: {"trained": n, "relabelled": n}."""
+    return _judged(prepared_dir, split, list_path, None, ("trained", "relabelled"))
+
+
+def _judged(prepared_dir: Path, split: str, list_path: Path | None, limit: int | None,
+            marks: tuple[str, ...]) -> tuple[PreparedSplit, np.ndarray | None, dict[str, int]]:
+    """The split less its held-out rows and the rows each of `marks` sets, counted mark by mark
+    (a row counted once, by the first mark that sets it; held-out rows not counted)."""
     opened = open_split(prepared_dir, split, limit=limit)
     dropped = held_out_rows(prepared_dir, split, list_path)
     dropped = dropped[dropped < len(opened)]
-    trained = store_mark(prepared_dir, split, "trained")
-    seen = np.zeros(len(opened), bool) if trained is None else trained[: len(opened)].copy()
-    seen[dropped] = False
-    if not len(dropped) and not seen.any():
-        return opened, None, 0
-    keep = np.ones(len(opened), bool)
-    keep[dropped] = False
-    keep &= ~seen
-    kept = np.flatnonzero(keep)
-    return subset(opened, kept), kept, int(seen.sum())
+    gone = np.zeros(len(opened), bool)
+    gone[dropped] = True
+    counts = {}
+    for name in marks:
+        mark = store_mark(prepared_dir, split, name)
+        hit = np.zeros(len(opened), bool) if mark is None else mark[: len(opened)] & ~gone
+        counts[name] = int(hit.sum())
+        gone |= hit
+    if not gone.any():
+        return opened, None, counts
+    kept = np.flatnonzero(~gone)
+    return subset(opened, kept), kept, counts
 
 
 def held_out_digest(prepared_dir: Path, list_path: Path | None, splits: tuple[str, ...]) -> str:

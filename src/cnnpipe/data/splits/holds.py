@@ -89,30 +89,48 @@ def apply_holds(records: np.ndarray, held: np.ndarray) -> np.ndarray:
     return out
 
 
-def mark_store(store: Path, ledger: Ledger, held: np.ndarray, generation: int) -> dict[str, Any]:
-    """Write each split's `<split>_arrived.npy` (int32: the ledger segment its bytes first arrived in;
-    this prepare's is `generation - 1`), `<split>_trained.npy` (bool: ever in a training split, this
-    one too) and `<split>_held.npy` (bool: its digest is among `held`), and `generation` (the ledger's
-    segments) into index.json. Returns the counts for the data report."""
-    counts: dict[str, Any] = {"generation": generation, "held": {}, "once_trained_on": {}}
+def mark_store(store: Path, ledger: Ledger, held: np.ndarray, generation: int,
+               renamed: dict[str, str] | None = None) -> dict[str, Any]:
+    """Write each split's `<split>_arrived.npy` (int32: the ledger segment its bytes first arrived in
+    under their label; this prepare's is `generation - 1`), `<split>_trained.npy` (bool: ever in a
+    training split, this one too), `<split>_held.npy` (bool: its digest is among `held`) and
+    `<split>_relabelled.npy` (bool: the ledger knew its bytes under another label), and `generation`
+    (the ledger's segments) into index.json. A relabelled photo arrives again: the delivery check
+    sees it as new, since a label is what a delivery brings; a class renamed on purpose (`renamed`,
+    old name -> new: `release.renamed`) relabels nothing. Returns the counts for the data report."""
+    counts: dict[str, Any] = {"generation": generation, "held": {}, "once_trained_on": {}, "relabelled": {}}
+    classes = json.loads((store / "index.json").read_text(encoding="utf-8"))["classes"]
     for split in SPLITS:
         keys = split_keys(in_folder(store), split)
         if keys is None:
             continue
         digests = keys["sha256"]
         arrived, trained = ledger.history(digests)
-        arrived[arrived < 0] = generation - 1
+        relabelled = _relabelled(ledger, digests, np.load(store / f"{split}_labels.npy"), classes, renamed or {})
+        arrived[(arrived < 0) | relabelled] = generation - 1
         trained |= split == "train"
         on_hold = among(digests, held)
         np.save(store / f"{split}_arrived.npy", arrived.astype(np.int32))
         np.save(store / f"{split}_trained.npy", trained)
         np.save(store / f"{split}_held.npy", on_hold)
+        np.save(store / f"{split}_relabelled.npy", relabelled)
         counts["held"][split] = int(on_hold.sum())
+        counts["relabelled"][split] = int(relabelled.sum())
         if split != "train":
             counts["once_trained_on"][split] = int(trained.sum())
     index = json.loads((store / "index.json").read_text(encoding="utf-8"))
     write_json(store / "index.json", {**index, "generation": generation})
     return counts
+
+
+def _relabelled(ledger: Ledger, digests: np.ndarray, labels: np.ndarray, classes: Sequence[str],
+                renamed: dict[str, str]) -> np.ndarray:
+    """Which of `digests` (filed under `labels`, into `classes`) the ledger knew under another label
+    than today's, a class renamed (`renamed`) counting as its new name."""
+    before = ledger.label_by_content(digests)
+    names = np.array([renamed.get(c, c) for c in ledger.classes] + [""], dtype=object)[before]  # -1 -> ""
+    now = np.array(list(classes), dtype=object)[np.asarray(labels, dtype=np.int64)]
+    return (before >= 0) & (names != now)
 
 
 def last_list(path: Path | None, store: Path, recheck: bool = True) -> tuple[Path | None, str | None]:
