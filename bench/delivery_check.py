@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 from cnnpipe.data.store.shards import PreparedSplit  # noqa: E402
-from cnnpipe.release.delivery import OTHER_CLASSES, calibrated_answers, flag_pairs, grouped_holm  # noqa: E402
+from cnnpipe.release.delivery import calibrated_answers  # noqa: E402
+from cnnpipe.release.flagging import OTHER_CLASSES, flag_pairs, grouped_holm  # noqa: E402
 from cnnpipe.release_config import DeliveryConfig  # noqa: E402
 from cnnpipe.train.trained import load_trained  # noqa: E402
 from test_delivery import OFFSET, probe_checkpoint  # noqa: E402  (registers the probe with timm)

@@ -18,7 +18,8 @@ from cnnpipe.config import DataConfig
 from cnnpipe.data.loaders.transforms import normalize
 from cnnpipe.data.prepare import prepare
 from cnnpipe.params import ParamsError, release_config
-from cnnpipe.release.delivery import OTHER_CLASSES, check_delivery, flag_pairs, grouped_holm, pooled_prior
+from cnnpipe.release.delivery import check_delivery
+from cnnpipe.release.flagging import OTHER_CLASSES, flag_pairs, grouped_holm, pooled_prior
 from cnnpipe.release_config import DeliveryConfig, ReleaseConfig
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.recipe import input_recipe

@@ -26,7 +26,7 @@ class DeliveryConfig:
     class is at least this."""
     alpha: float = 0.01
     """Family-wise error rate of the check: Holm over the given classes, then over the (given, predicted)
-    pairs inside each flagged class (`cnnpipe.release.delivery.flag_pairs`)."""
+    pairs inside each flagged class (`cnnpipe.release.flagging.flag_pairs`)."""
     min_images: int = 5
     """A pair is flagged only with at least this many confident disagreements."""
     min_share: float = 0.05
