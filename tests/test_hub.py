@@ -128,6 +128,7 @@ def test_auto_downloads_from_the_hub_then_uses_the_cache_then_says_when_it_has_n
     init, err = load(hub.endpoint, tmp_path / "empty-cache")  # the port is closed now
     assert init["source"] == "random" and init["stem"] != 0.125
     assert f"{hub.endpoint.removeprefix('http://')} is not reachable" in err and "RANDOM init" in err
+    assert f"no test_resnet file in torch hub's cache {tmp_path / 'no-torch-home' / 'hub' / 'checkpoints'}" in err
 
 
 def test_the_hub_path_counts_what_timm_loaded_and_refuses_a_partial_file(tmp_path, weights):

@@ -410,7 +410,9 @@ def load_pretrained_counted(model: torch.nn.Module, pretrained_cfg: dict, num_cl
         load_pretrained(model, pretrained_cfg=pretrained_cfg, num_classes=num_classes, in_chans=in_chans,
                         filter_fn=filter_fn, strict=True)
     except RuntimeError as exc:  # a shape that does not fit: load_state_dict refuses even non-strictly
-        raise WeightsMismatch(f"timm could not load it: {str(exc).splitlines()[0][:300]}") from exc
+        if "Error(s) in loading state_dict" not in str(exc):
+            raise  # not the load's verdict (a download's failure): the caller's to judge
+        raise WeightsMismatch(f"timm could not load it: {' '.join(str(exc).split())[:300]}") from exc
     finally:
         pre.remove()
         post.remove()
