@@ -117,10 +117,13 @@ def test_auto_downloads_from_the_hub_then_uses_the_cache_then_says_when_it_has_n
         init, _ = load(hub.endpoint, tmp_path / "hf")
         assert init["source"] == "hub" and init["location"] == "timm/test_resnet.r160_in1k"
         assert init["sha256"] == hub.etag and init["stem"] == 0.125  # the served weights, really loaded
+        # counted from timm's own load: every backbone tensor, the 1000-class classifier left out for 10
+        assert init["loaded"] == init["backbone"] > 0 and init["classifier"] == "replaced"
         assert ("GET", "/timm/test_resnet.r160_in1k/resolve/main/model.safetensors") in hub.requests
         hub.requests.clear()
         init, _ = load(hub.endpoint, tmp_path / "hf")  # the same HF_HOME: the cache answers
         assert init["source"] == "hub-cache" and init["sha256"] == hub.etag and init["stem"] == 0.125
+        assert init["loaded"] == init["backbone"] > 0 and init["classifier"] == "replaced"
         assert hub.requests == []
     finally:
         hub.shutdown()
