@@ -284,10 +284,15 @@ def test_a_checkpoint_with_other_pickled_objects_is_refused_by_name(tmp_path, to
         resnet50_from(path)
 
 
-def test_a_corrupt_safetensors_and_a_missing_dotted_package_are_one_line_each(tmp_path):
+def test_a_corrupt_file_and_a_missing_dotted_package_are_one_line_each(tmp_path):
     (path := tmp_path / "cut.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":")
-    with pytest.raises(WeightsUnavailable, match="is not a readable safetensors file"):
+    with pytest.raises(WeightsUnavailable, match="is not a readable safetensors file") as err:
         resnet50_from(path)
+    assert "\n" not in str(err.value)
+    (path := tmp_path / "garbage.pth").write_bytes(b"garbage\n\nmore")
+    with pytest.raises(WeightsUnavailable, match=r"is not a readable weights file \(unpickling: Unsupported") as err:
+        resnet50_from(path)
+    assert "\n" not in str(err.value)
     with pytest.raises(FileNotFoundError, match="no installed package 'no_such_weights_pkg.sub'"):
         resolve_weights_path("package:no_such_weights_pkg.sub")
 

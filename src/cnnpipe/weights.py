@@ -137,7 +137,7 @@ def torch_hub_names(model_name: str, torchvision_only: bool = False) -> list[str
 
         cfgs = timm.models.get_arch_pretrained_cfgs(arch) if arch in timm.list_models() else {}
         wanted = f"{arch}.{tag}" if tag else next(iter(cfgs), "")
-        for full, cfg in sorted(cfgs.items(), key=lambda item: item[0] != wanted):
+        for _, cfg in sorted(cfgs.items(), key=lambda item: item[0] != wanted):
             timm_names += [Path(v).name for v in (getattr(cfg, "file", None), getattr(cfg, "url", None)) if v]
     vision: list[str] = []
     try:
@@ -166,6 +166,12 @@ def torch_hub_file(model_name: str, torchvision_only: bool = False) -> Path | No
     return legacy[0] if legacy else None
 
 
+def _one_line(exc: Exception | str) -> str:
+    """An exception as one short line: a refusal is one line on the stage's stderr."""
+    text = " ".join(str(exc).split())[:200]
+    return text if isinstance(exc, str) else f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
+
+
 def _torch_load(path: Path) -> object:
     """A pickled file with `weights_only=True` plus `argparse.Namespace` (timm's train.py `args`);
     a file needing any other global is refused naming them."""
@@ -173,19 +179,20 @@ def _torch_load(path: Path) -> object:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        if "Weights only load failed" not in str(exc):
-            raise WeightsMismatch(f"{str(path)!r} is not a readable weights file "
-                                  f"({str(exc).splitlines()[0][:200]})") from exc
-        try:
+        try:  # the globals the pickle asks for, read without unpickling it
             unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
-        except Exception:  # an old-format pickle it cannot list
-            unsafe = "see torch's message"
-        raise WeightsMismatch(f"{str(path)!r} needs pickle globals that could run code ({unsafe}): "
-                              "refused. Re-save only its weights where you trust it: torch.save(checkpoint"
-                              "['state_dict'], 'weights.pth')") from exc
+        except Exception:  # not a pickle torch can list: garbage, truncated
+            unsafe = ""
+        if unsafe:
+            raise WeightsMismatch(f"{str(path)!r} needs pickle globals that could run code ({unsafe}): refused. "
+                                  "Re-save only its weights where you trust it: torch.save(checkpoint"
+                                  "['state_dict'], 'weights.pth')") from exc
+        # torch's message is a page of advice; the line after "WeightsUnpickler error" says what it met
+        text = str(exc).partition("WeightsUnpickler error:")[2].strip() or str(exc)
+        reason = _one_line(text.split("\n\n")[0] if text else "")
+        raise WeightsMismatch(f"{str(path)!r} is not a readable weights file (unpickling: {reason})") from exc
     except Exception as exc:
-        raise WeightsMismatch(f"{str(path)!r} is not a readable weights file "
-                              f"({exc.__class__.__name__}: {str(exc)[:200]})") from exc
+        raise WeightsMismatch(f"{str(path)!r} is not a readable weights file ({_one_line(exc)})") from exc
 
 
 def _entry(state: dict) -> str | None:
@@ -208,8 +215,7 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], str | None]:
         try:
             state: object = load_file(str(path))
         except Exception as exc:  # safetensors' own error for a truncated or foreign file
-            raise WeightsMismatch(f"{str(path)!r} is not a readable safetensors file "
-                                  f"({exc.__class__.__name__}: {str(exc)[:200]})") from exc
+            raise WeightsMismatch(f"{str(path)!r} is not a readable safetensors file ({_one_line(exc)})") from exc
     else:
         state = _torch_load(path)
     entry = _entry(state) if isinstance(state, dict) else None
