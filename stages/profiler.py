@@ -9,6 +9,7 @@ from pathlib import Path
 # (every training loop has them); set before torch loads, and only warnings go (errors still print).
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+from cnnpipe.models import WeightsUnavailable
 from cnnpipe.monitor import process_seconds
 from cnnpipe.params import ParamsError, load_params, resolve, run_config
 from cnnpipe.profile.run import profile_variant, save_profile, summary
@@ -38,7 +39,9 @@ def main() -> int:
     try:
         result = profile_variant(cfg, info, Path(args.data), Path(args.logs) / args.variant, not args.no_trials,
                                  time_box_s)
-    except (FileNotFoundError, ValueError) as exc:  # no prepared data, a batch larger than the split
+    # no prepared data, a batch larger than the split; weights that do not fit (the profile builds the
+    # model first: the same one-line refusal and exit 2 the train stage gives, not a traceback)
+    except (FileNotFoundError, ValueError, WeightsUnavailable) as exc:
         print(f"profile[{args.variant}]: {exc}", file=sys.stderr)
         return 2
     result["stage_time_s"] = process_seconds()  # imports included: what the stage cost the run

@@ -150,6 +150,7 @@ def test_local_weights_load_through_timm_with_a_resized_head(tmp_path, suffix):
 
 def test_pretrained_true_offline_fails_fast_with_a_remedy(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # nor this machine's torch hub cache
     with pytest.raises(WeightsUnavailable) as err:  # offline (conftest): no hub to wait on
         create_model(ModelConfig(name="resnet18", pretrained="true"), 10, 3)
     assert "model.weights_file" in str(err.value) and "not reachable" in str(err.value)

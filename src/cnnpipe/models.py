@@ -1,8 +1,10 @@
 """Model creation through timm, with honest pretrained-weight resolution.
 
-Weights are looked for, in order: `model.weights_file`, the local Hugging Face cache, then the hub
-(only when it answers within seconds, so an offline machine never hangs). Whatever happens is
-recorded in `InitInfo` and ends up in train.json: we never claim weights that were not loaded.
+Weights are looked for, in order: `model.weights_file`, the local Hugging Face cache, torch hub's
+cache (where torchvision's `weights=` and timm's URL downloads keep files), then the hub (only when it
+answers within seconds, so an offline machine never hangs). Every path counts what it loaded
+(`weights.LoadReport`) and refuses a partial load; the count is recorded in `InitInfo` and ends up in
+train.json: we never claim weights that were not loaded.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -22,7 +25,8 @@ import torch
 
 from cnnpipe.config import ModelConfig
 from cnnpipe.files import file_sha256
-from cnnpipe.weights import LoadReport, WeightsMismatch, classifier_prefix, load_weights, resolve_weights_path
+from cnnpipe.weights import (LoadReport, WeightsMismatch, classifier_prefix, load_pretrained_counted, load_weights,
+                             resolve_weights_path, torch_hub_dir, torch_hub_file)
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +41,16 @@ class WeightsUnavailable(RuntimeError):
 class InitInfo:
     """Where the initial weights came from."""
 
-    source: str  # "random", "file", "hub-cache", "hub" or "champion"
+    source: str  # "random", "file", "hub-cache", "torch-hub-cache", "hub" or "champion"
     location: str | None = None
     sha256: str | None = None
     mapping: str | None = None  # how a file's tensors were named onto the model's (`weights.LAYOUTS`)
-    loaded: int | None = None  # backbone tensors loaded: all of them, or the run stops
-    backbone: int | None = None  # the model's backbone tensors
+    loaded: int | None = None  # backbone parameters and running statistics loaded: all of them, or the run stops
+    backbone: int | None = None  # the model's backbone parameters and running statistics
     classifier: str | None = None  # "loaded" or "replaced" (new for the catalog's classes)
+    counters_loaded: int | None = None  # BatchNorm num_batches_tracked from the file (the rest keep the model's 0)
+    counters: int | None = None  # the model's num_batches_tracked counters
+    entry: str | None = None  # the checkpoint entry the weights came from (`state_dict_ema`: EMA weights)
 
     def to_dict(self) -> dict[str, str | None]:
         return asdict(self)
@@ -128,7 +135,7 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
             model = timm.create_model(cfg.name, pretrained=False, **kwargs)
             report = load_weights(model, path)
         except (FileNotFoundError, WeightsMismatch) as exc:
-            raise WeightsUnavailable(str(exc)) from exc
+            raise WeightsUnavailable(_named(f"model.weights_file={cfg.weights_file!r}", exc)) from exc
         print(f"model: {cfg.weights_file} -> {cfg.name}: {report.describe()}", flush=True)
         return model, _with_report(InitInfo("file", str(path), file_sha256(path)), report)
 
@@ -137,17 +144,33 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
         repo, path = cached
         # Straight from the cached file: huggingface_hub reads HF_HUB_OFFLINE once, at import, so
         # going through the hub client would still ask the hub for the file's metadata first.
-        model = timm.create_model(cfg.name, pretrained=True, pretrained_cfg_overlay=dict(file=path), **kwargs)
-        return model, _all_loaded(InitInfo("hub-cache", repo, file_sha256(path)), model, num_classes)
+        model, report = _timm_load(cfg.name, kwargs, num_classes, in_chans, f"the Hugging Face cache's {path}", path)
+        print(f"model: {path} (Hugging Face cache) -> {cfg.name}: {report.describe()}", flush=True)
+        return model, _with_report(InitInfo("hub-cache", repo, file_sha256(path)), report)
     attempts.append("no copy in the local Hugging Face cache")
+
+    local = torch_hub_file(cfg.name)
+    if local is not None:
+        try:
+            model = timm.create_model(cfg.name, pretrained=False, **kwargs)
+            report = load_weights(model, local)
+        except WeightsMismatch as exc:
+            raise WeightsUnavailable(_named(f"model.pretrained={cfg.pretrained}: torch hub's cached {local.name}", exc)
+                                     + f" Or move {local} out of {local.parent}.") from exc
+        print(f"model: {local} (torch hub's cache) -> {cfg.name}: {report.describe()}", flush=True)
+        return model, _with_report(InitInfo("torch-hub-cache", str(local), file_sha256(local)), report)
+    attempts.append(f"no {cfg.name.partition('.')[0]} file in torch hub's cache {torch_hub_dir()}")
 
     if hub_reachable():
         try:
             with _hub_timeouts():
-                model = timm.create_model(cfg.name, pretrained=True, **kwargs)
+                model, report = _timm_load(cfg.name, kwargs, num_classes, in_chans, "the hub's file", None)
             found = _hub_file(cfg.name)
             info = InitInfo("hub", found[0] if found else cfg.name, file_sha256(found[1]) if found else None)
-            return model, _all_loaded(info, model, num_classes)
+            print(f"model: {info.location} (hub) -> {cfg.name}: {report.describe()}", flush=True)
+            return model, _with_report(info, report)
+        except WeightsUnavailable:
+            raise
         except Exception as exc:  # any hub/network failure: fall through to the remedy below
             attempts.append(f"hub download failed: {exc.__class__.__name__}: {exc}")
     else:
@@ -169,19 +192,32 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> tuple[tor
     return timm.create_model(cfg.name, pretrained=False, **kwargs), InitInfo("random", None, None)
 
 
+def _named(what: str, exc: Exception) -> str:
+    """A refusal's one line: what was being loaded, then why."""
+    return f"{what}: {exc}"
+
+
+def _timm_load(name: str, kwargs: dict, num_classes: int, in_chans: int, what: str,
+               file: str | None) -> tuple[torch.nn.Module, LoadReport]:
+    """`name` built without weights, then loaded by timm's own loader from `file` (a cached copy) or
+    the hub, counted (`weights.load_pretrained_counted`); a partial load is `WeightsUnavailable`."""
+    model = timm.create_model(name, pretrained=False, **kwargs)
+    cfg = dict(getattr(model, "pretrained_cfg", {}) or {})
+    if file:
+        cfg["file"] = file
+    # The filter timm's model module applies to its own checkpoints (ViT's position embeddings...), when it has one.
+    filter_fn = getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
+    try:
+        return model, load_pretrained_counted(model, cfg, num_classes, in_chans, filter_fn)
+    except WeightsMismatch as exc:
+        raise WeightsUnavailable(_named(f"{name} from {what}", exc) + ". Set model.pretrained: false, or point "
+                                 "model.weights_file at weights of this model.name.") from exc
+
+
 def _with_report(info: InitInfo, report: LoadReport) -> InitInfo:
     return dataclasses.replace(info, mapping=report.mapping, loaded=report.loaded, backbone=report.backbone,
-                               classifier=report.classifier)
-
-
-def _all_loaded(info: InitInfo, model: torch.nn.Module, num_classes: int) -> InitInfo:
-    """The init record of timm's own loader: it loads strictly (all tensors, or it raises), leaving out
-    only a classifier of another class count."""
-    own = model.state_dict()
-    backbone = sum(1 for k in own if not k.startswith(classifier_prefix(model) + "."))
-    pretrained = (getattr(model, "pretrained_cfg", {}) or {}).get("num_classes")
-    return dataclasses.replace(info, mapping="timm", loaded=backbone, backbone=backbone,
-                               classifier="loaded" if pretrained == num_classes else "replaced")
+                               classifier=report.classifier, counters_loaded=report.counters_loaded,
+                               counters=report.counters, entry=report.entry)
 
 
 def classifier_keys(model: torch.nn.Module) -> tuple[str, str]:

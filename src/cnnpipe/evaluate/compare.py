@@ -99,7 +99,29 @@ def compare(base: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
         "warnings": warnings,
         "rows": rows,
         "settings": {k: {"baseline": base["train"].get(k), "optimized": opt["train"].get(k)} for k in SETTINGS},
+        "starts": {"baseline": start_of(base["train"].get("init")), "optimized": start_of(opt["train"].get("init"))},
     }
+
+
+def start_of(init: str | None) -> str:
+    """What a train.json `init` (`random`, `<source>:<location>`) says the run started from."""
+    if not init or init == "random":
+        return "random init"
+    source, _, where = init.partition(":")
+    return f"the champion ({where})" if source == "champion" else f"pretrained weights ({where})"
+
+
+def start_sentence(result: dict[str, Any]) -> str | None:
+    """The headline when the recipes start from different weights: the top-1 gap is then not all the
+    recipe's, and how to train the baseline from the same start; None when they start alike."""
+    starts = result.get("starts") or {}
+    base, opt = starts.get("baseline"), starts.get("optimized")
+    if base is None or opt is None or base.split(" (")[0] == opt.split(" (")[0]:
+        return None
+    return (f"Starts: **the recipes start differently**, the baseline from {base}, the optimized from {opt}: part "
+            "of the top-1 gap is the start's, not the recipe's. To separate them, train the baseline recipe from the "
+            "same weights: `dvc exp run -S variants.baseline.model.pretrained=true` (it keeps its one LR for every "
+            "layer, `pretrained_lr_scale: 1.0`).")
 
 
 def plan_vs_actual(plan: dict[str, Any], base: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +189,9 @@ def _cell(fmt: str, row: dict[str, Any], name: str) -> str:
 
 def to_markdown(result: dict[str, Any]) -> str:
     """The same numbers as compare.json, as a Markdown table."""
-    lines = ["# Baseline vs optimized", "", accuracy_sentence(result), "", speed_sentence(result), ""]
+    starts = start_sentence(result)
+    lines = ["# Baseline vs optimized", "", accuracy_sentence(result), "", *([starts, ""] if starts else []),
+             speed_sentence(result), ""]
     lines += [f"> **Warning:** {w}" for w in result.get("warnings", [])]
     if result.get("warnings"):
         lines.append("")

@@ -119,9 +119,11 @@ def run_summary(cfg: VariantConfig, history: list[dict], init, info: DistInfo, a
         "images_per_epoch": cfg.train.images_per_epoch,
         "init": init.source if init.source == "random" else f"{init.source}:{init.location}",
         "init_sha256": init.sha256,
-        # how a weights file was named onto the model and how many of its backbone tensors it gave (all)
+        # how a weights file was named onto the model and how many of its backbone tensors it gave (all of
+        # them: parameters and running statistics), the BatchNorm counters it had, and the checkpoint entry
         "init_tensors": None if init.loaded is None else {
-            "mapping": init.mapping, "loaded": init.loaded, "backbone": init.backbone, "classifier": init.classifier},
+            "mapping": init.mapping, "loaded": init.loaded, "backbone": init.backbone, "classifier": init.classifier,
+            "counters_loaded": init.counters_loaded, "counters": init.counters, "entry": init.entry},
         "image_size": cfg.data.image_size,
         "amp": amp,
         "math": math_mode(amp, info.device),

@@ -60,8 +60,8 @@ class LrSchedule:
                      kind=self.kind, min_lr_ratio=self.min_lr_ratio)
 
 
-START_OF_INIT = {"random": "scratch", "file": "pretrained", "hub-cache": "pretrained", "hub": "pretrained",
-                 "champion": "champion"}
+START_OF_INIT = {"random": "scratch", "file": "pretrained", "hub-cache": "pretrained", "torch-hub-cache": "pretrained",
+                 "hub": "pretrained", "champion": "champion"}
 """The start a run's init record (`models.InitInfo.source`) makes it."""
 
 
