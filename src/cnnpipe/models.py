@@ -16,7 +16,6 @@ import os
 import socket
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -25,8 +24,8 @@ import torch
 
 from cnnpipe.config import ModelConfig
 from cnnpipe.files import file_sha256
-from cnnpipe.weights import (LoadReport, WeightsMismatch, classifier_prefix, load_pretrained_counted, load_weights,
-                             resolve_weights_path, torch_hub_dir, torch_hub_file)
+from cnnpipe.weight_files import WeightsMismatch, resolve_weights_path, torch_hub_dir, torch_hub_file
+from cnnpipe.weights import LoadReport, classifier_prefix, load_pretrained_counted, load_weights
 
 log = logging.getLogger(__name__)
 
