@@ -391,11 +391,12 @@ def test_ten_photos_filed_wrong_among_twenty_honest_ones_are_flagged(classes):
 
 def test_the_pooled_prior_follows_the_classes_spread():
     """The same pooled rate, the strength by how much the classes differ beyond their binomial noise:
-    alike classes pin it down (the ceiling), scattered ones leave each class near its own count."""
+    alike classes pin it down (one observation per class at most), scattered ones leave each class
+    near its own count."""
     n = np.full(100, 20)
     alike = np.full(100, 1)
     a0, b0 = pooled_prior(alike, n)
-    assert a0 / (a0 + b0) == pytest.approx(0.05) and a0 + b0 == pytest.approx(1000.0)
+    assert a0 / (a0 + b0) == pytest.approx(0.05) and a0 + b0 == pytest.approx(100.0)
     scattered = np.r_[np.zeros(50, np.int64), np.full(50, 2)]  # the same mean, some look-alike classes
     scattered[:10] = 10
     a1, b1 = pooled_prior(scattered, n)
