@@ -296,13 +296,23 @@ def test_tensorboard_profiler_plugin_lists_the_run(tmp_path, prepared):
     waited 600 s for a run list). A 404 fails at once, with TensorBoard's log."""
     logdir = tmp_path / "logs"
     profile_variant(config(tmp_path), DistInfo(), prepared, logdir / "optimized", False)
+    runs, views, workers = profiler_plugin_reads(["tensorboard", "--logdir", str(logdir)], tmp_path, "optimized",
+                                                 tmp_path / "tensorboard.log")
+    assert "optimized" in runs["runs"] and "Overview" in views
+    assert any(w.startswith("optimized_rank0") for w in workers)
+
+
+def profiler_plugin_reads(command: list[str], cwd: Path, run: str, log: Path,
+                          env: dict[str, str] | None = None) -> tuple[dict, list, list]:
+    """Serve `command` (a `tensorboard --logdir ...` line) on a free port of 127.0.0.1, in `cwd`, with a
+    short temp folder of its own, until the profiler plugin lists `run`; its run list, `run`'s views
+    and its Overview's workers. A 404 from the plugin fails at once, with TensorBoard's log."""
     port = _free_port()
-    tb = Path(sys.executable).with_name("tensorboard")
-    log = tmp_path / "tensorboard.log"
+    tb = [str(Path(sys.executable).with_name("tensorboard")), *command[1:], "--host", "127.0.0.1", "--port", str(port)]
     with tempfile.TemporaryDirectory(prefix="cnnpipe-tb-") as temp, open(log, "wb") as out:
         assert len(temp) + MANAGER_SOCKET_EXTRA <= SOCKET_PATH_MAX, temp
-        proc = subprocess.Popen([str(tb), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
-                                env=dict(os.environ, TMPDIR=temp), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(tb, cwd=cwd, env=dict(env or os.environ, TMPDIR=temp), stdout=out,
+                                stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
         try:
             deadline = time.monotonic() + 600  # a hang guard: TensorBoard loads slowly on a loaded machine
@@ -311,18 +321,15 @@ def test_tensorboard_profiler_plugin_lists_the_run(tmp_path, prepared):
                 assert proc.poll() is None, log.read_text()[-4000:]
                 try:
                     runs = _get(f"{base}/runs")
-                    if "optimized" in runs["runs"] and not runs["loading"]:
+                    if run in runs["runs"] and not runs["loading"]:
                         break
                 except urllib.error.HTTPError as exc:  # serving, so its plugins are loaded: this one is not
                     raise AssertionError(f"{exc.code} from the profiler plugin:\n{log.read_text()[-4000:]}") from exc
                 except OSError:
                     pass  # not serving yet
                 time.sleep(1)
-            assert "optimized" in runs["runs"], runs
-            views = _get(f"{base}/views?run=optimized")
-            assert "Overview" in views
-            workers = _get(f"{base}/workers?run=optimized&view=Overview")
-            assert any(w.startswith("optimized_rank0") for w in workers)
+            assert run in runs["runs"], runs
+            return runs, _get(f"{base}/views?run={run}"), _get(f"{base}/workers?run={run}&view=Overview")
         finally:
             proc.terminate()
             proc.wait(timeout=20)

@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, SMALLEST_PROFILE, built_once, save_image
+from test_profile import profiler_plugin_reads
 
 pytestmark = pytest.mark.slow
 
@@ -201,6 +202,15 @@ def test_own_images_reach_training_and_the_everyday_commands_read_the_run(user_r
     assert "small test split" in (project / "metrics" / "compare.md").read_text()
     untracked = bash("git status --porcelain --untracked-files=all data/raw", project, home, project).stdout
     assert "data/raw/products.dvc" in untracked and "data/raw/products/" not in untracked, untracked
+    # After the recipe nothing is left to run but the stages that always run, and the photos are DVC's:
+    # every file of the folder `dvc add` recorded is in the project's DVC cache.
+    changed = json.loads(bash("dvc status --json", project, home, project).stdout or "{}")
+    assert set(changed) <= {"machine", "champion"}, changed
+    listing = yaml.safe_load((project / "data" / "raw" / "products.dvc").read_text())["outs"][0]
+    cache = Path(bash("dvc cache dir", project, home, project).stdout.strip())
+    objects = json.loads((cache / "files" / "md5" / listing["md5"][:2] / listing["md5"][2:]).read_text())
+    assert len(objects) == listing["nfiles"] == 4 * 15 + 1  # the photos and the broken file, each cached
+    assert all((cache / "files" / "md5" / o["md5"][:2] / o["md5"][2:]).is_file() for o in objects)
 
     everyday = console(blocks(README, "## Everyday use", "console")[0])
     # `dvc exp run -S train.lr=...` trains both recipes again (what the own-images run already did);
@@ -229,10 +239,12 @@ def test_own_images_reach_training_and_the_everyday_commands_read_the_run(user_r
     shape = bash(f"python '{tmp_path / 'snippet.py'}'", project, home, project)
     assert json.loads(shape.stdout.splitlines()[-1]) == [2, len(COLOURS)]
 
-    # The README's `tensorboard` line is the command tests/test_profile.py serves and reads the run list of
-    # (test_tensorboard_profiler_plugin_lists_the_run): here it must still be the same command.
+    # The README's `tensorboard` line, served in the clone (on a free port of 127.0.0.1, with a short temp
+    # folder: see test_profile's test), lists both recipes' profiler traces.
     [tensorboard] = [re.sub(r"\s+#.*$", "", c) for c in everyday if c.startswith("tensorboard")]
-    assert tensorboard.split() == ["tensorboard", "--logdir", "logs/profile"], tensorboard
+    runs, views, _ = profiler_plugin_reads(tensorboard.split(), project, "optimized", tmp_path / "tensorboard.log",
+                                           user_env(home, project))
+    assert {"baseline", "optimized"} <= set(runs["runs"]) and "Overview" in views, runs
 
 
 def test_the_first_two_weeks_of_the_weekly_loop(user_run, tmp_path):
@@ -278,6 +290,8 @@ def test_the_first_two_weeks_of_the_weekly_loop(user_run, tmp_path):
     assert sum(c["gained"] for c in report["changes"]["splits"].values()) == 3 * len(COLOURS), report["changes"]
     gate = json.loads((project / "metrics" / "gate.json").read_text())
     assert gate["champion"]["version"] == "v0.1.0" and gate["blessed"], gate["reasons"]
+    pushed = bash("dvc status --cloud --json data/raw/products.dvc", project, home, project).stdout
+    assert json.loads(pushed or "{}") == {}, pushed  # the week's photos are in the DVC remote the block pushed to
     train = json.loads((project / "metrics" / "optimized" / "train.json").read_text())
     assert train["init"].startswith("champion:v0.1.0"), train["init"]
     tags = set(bash("git tag -l", origin, home, project).stdout.split())
@@ -297,8 +311,9 @@ def test_the_first_two_weeks_of_the_weekly_loop(user_run, tmp_path):
 
 
 def test_a_manifest_of_own_images_reaches_training(user_run, tmp_path):
-    """The README's manifest route: the same block with the `data.source` it names for a manifest; a
-    catalog listed by a manifest is another catalog than the folder's, and trains from its own ledger."""
+    """The README's manifest route: the same block with the `data.source` it names for a manifest. It
+    lists the same photos as the folder the first run prepared, so the split ledger on disk goes on
+    and no photo changes split."""
     built, _ = user_run
     shutil.copytree(built, tmp_path / "user", symlinks=True)
     project, home = tmp_path / "user" / "project", tmp_path / "user" / "home"
@@ -317,6 +332,8 @@ def test_a_manifest_of_own_images_reaches_training(user_run, tmp_path):
     assert {"prepare", "train@optimized", "evaluate@optimized"} <= set(ran), ran
     report = json.loads((project / "metrics" / "data_report.json").read_text())
     assert json.dumps(report).count(route) >= 1
+    assert report["ledger"]["read_from"] and not report["ledger"]["started"], report["ledger"]
+    assert report["changes"]["moved_between_splits"] == 0, report["changes"]
 
 
 def test_a_second_prepare_of_own_photos_in_a_fresh_clone_reads_no_other_catalogs_list(tmp_path):
