@@ -136,6 +136,10 @@ def test_the_step_share_and_its_rendering():
     assert "aten::convolution 70%" in text and "[optimizer] 30%" in text
     table = markdown(r)
     assert "| `aten::convolution` | 70% | 186 | 19% | 7.1 | 14% |" in table  # 130 GFLOP in 0.7 s
+    # on CUDA the shares are of the kernels' 0.5 s a step: the convolution ran in 0.35 s, not 0.7
+    kernels = summarize(PEAKS, "bf16", 1.0, {"aten::convolution": 130e9}, {}, time_us, "counted", op_step_s=0.5)
+    assert kernels["ops"][0]["gflops"] == pytest.approx(2 * r["ops"][0]["gflops"])
+    assert kernels["achieved_gflops"] == r["achieved_gflops"]  # the step's rate stays the step's
     fp32 = summarize(PEAKS, "off", 1.0, {"aten::mm": 20e9}, {}, {}, "counted")
     assert fp32["math_share"] == pytest.approx(0.1) and "10% of its fp32 rate" in headline(fp32)
     idle = summarize(PEAKS, "bf16", 0.0, {"aten::mm": 20e9}, {}, {}, "counted")

@@ -31,7 +31,7 @@ from cnnpipe.data.store.shards import PreparedSplit
 from cnnpipe.profile.box import TraceSteps
 from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
-from cnnpipe.profile.roofline import OpEvent, attribute_self_time
+from cnnpipe.profile.roofline import OpEvent
 from cnnpipe.train.distributed import DistInfo, unwrap
 from cnnpipe.train.engine import Spans, StepContext, forward_times, micro_step, no_region, sync_device
 from cnnpipe.train.parts import build_training, step_context
@@ -211,7 +211,7 @@ def _cpu_seconds() -> float:
 
 
 def trace_window(s: Setup, trace_dir: Path, worker: str, steps: TraceSteps, step_s: float,
-                 on_trace_ready: Callable | None = None, counted: frozenset[str] = frozenset()) -> dict[str, Any]:
+                 on_trace_ready: Callable | None = None) -> dict[str, Any]:
     """Run the torch.profiler schedule `steps` and write one TensorBoard trace.
 
     Returns what only the trace can tell, read from the recorded steps' own spans (`ProfilerStep#N`),
@@ -221,9 +221,9 @@ def trace_window(s: Setup, trace_dir: Path, worker: str, steps: TraceSteps, step
     share is kernel time per recorded step over `step_s`, the un-profiled step time: kernel
     durations are the GPU's own clock, which the profiler's host-side extras (shapes, memory) do not
     stretch, while a profiled step's wall time is; and the Tensor Core share of matrix-kernel time.
-    `trace_step_s` is the median profiled step, for comparison with `step_s`. `op_time_us`: each
-    op's self time (device time on CUDA) over the recorded steps, charged to the ops in `counted`
-    that run it (`roofline.attribute_self_time`), for the roofline's op table.
+    `trace_step_s` is the median profiled step, for comparison with `step_s`. `op_events`: the
+    trace's host events with their self time (kernel time on CUDA), for the roofline's op table
+    (`roofline.attribute_self_time`, once the ops are counted); `recorded_steps`: how many steps they span.
     """
     trace_dir.mkdir(parents=True, exist_ok=True)
     for stale in trace_dir.glob("*.pt.trace.json*"):
@@ -251,13 +251,12 @@ def trace_window(s: Setup, trace_dir: Path, worker: str, steps: TraceSteps, step
     sync_events = SYNC_EVENTS["cuda" if s.device.type == "cuda" else "cpu"]
     syncs = count_inside([e.time_range.start for e in events if e.name in sync_events], spans)
     cuda = s.device.type == "cuda"
-    op_time = attribute_self_time(op_events(events, cuda), counted)
     return {"host_syncs_per_step": syncs / recorded,
             "trace_step_s": statistics.median(b - a for a, b in spans) / 1e6 if spans else None,
             "gpu_busy_frac": busy_fraction(kernels, recorded * step_s * 1e6) if cuda else None,
             "gpu_busy_basis": "kernel time per recorded step / un-profiled step time" if cuda else None,
             "tensor_core_frac": tensor_core_share(kernels) if cuda else None,
-            "op_time_us": op_time}
+            "recorded_steps": recorded, "op_events": op_events(events, cuda)}
 
 
 def op_events(events: list, cuda: bool) -> list[OpEvent]:

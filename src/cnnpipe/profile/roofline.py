@@ -11,7 +11,8 @@ op's time from the trace. This module turns those numbers into the report's figu
   the counter saw (`attribute_self_time`), and from it the op's GFLOP/s (matrix ops) or GB/s (every
   counted op) against the peaks. An op's seconds are its share times the *un-profiled* step time:
   the profiler stretches small ops more than large ones, but the shares stay close, and the headline
-  and the table then add up to the same step.
+  and the table then add up to the same step. On CUDA the shares are of kernel time and an op's
+  seconds its share of the kernels' time per step (the GPU idles between kernels).
 
 The peaks are a plain matrix product and a plain copy, not a vendor's datasheet: "N% of the bf16
 rate" means N% of what `torch.matmul` reaches on this machine in this process, at its thread count.
@@ -136,10 +137,11 @@ def op_table(time_us: dict[str, float], flops: dict[str, float], bytes_: dict[st
 
 
 def summarize(peaks: Peaks, amp: str, step_s: float, flops: dict[str, float], bytes_: dict[str, float],
-              time_us: dict[str, float], basis: str) -> dict[str, Any]:
+              time_us: dict[str, float], basis: str, op_step_s: float | None = None) -> dict[str, Any]:
     """The profile JSON's `roofline` section. `flops` and `bytes_` are per op for one optimizer step
     (as `peaks.count_step` counts them), `time_us` per op over the traced steps (`attribute_self_time`),
-    `step_s` the un-profiled median step; `basis` says how the counts were taken."""
+    `step_s` the un-profiled median step; `basis` says how the counts were taken. `op_step_s`: the
+    seconds the ops' time shares are of (default `step_s`; on CUDA the kernels' time per step)."""
     step_flop, step_bytes = sum(flops.values()), sum(bytes_.values())
     achieved = rate(step_flop, step_s * 1e9)
     achieved_gbs = rate(step_bytes, step_s * 1e9)
@@ -149,7 +151,8 @@ def summarize(peaks: Peaks, amp: str, step_s: float, flops: dict[str, float], by
             "achieved_gflops": achieved, "bf16_share": share(achieved, peaks.bf16_gflops),
             "math_share": share(achieved, peak), "achieved_gbs": achieved_gbs,
             "bandwidth_share": share(achieved_gbs, peaks.copy_gbs),
-            "ops": op_table(time_us, flops, bytes_, step_s, peak, peaks.copy_gbs), "basis": basis}
+            "ops": op_table(time_us, flops, bytes_, step_s if op_step_s is None else op_step_s, peak, peaks.copy_gbs),
+            "basis": basis}
 
 
 def _pct(value: float | None) -> str:

@@ -24,7 +24,7 @@ from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings
 from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose
 from cnnpipe.profile.format import all_trials
 from cnnpipe.profile.peaks import count_step, measure_peaks
-from cnnpipe.profile.roofline import headline, markdown, summarize
+from cnnpipe.profile.roofline import attribute_self_time, headline, markdown, summarize
 from cnnpipe.profile.measure import (
     INFERENCE_BATCH,
     build_setup,
@@ -95,15 +95,18 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     step_s = statistics.median(times)
     per_image_s = step_s / base.images_per_step
     trace = plan.trace(step_s)
-    roofline_s = plan.share(ROOFLINE_SHARE)  # (outside the timed steps and the trace, inside the box)
+    traced = trace_window(base, trace_dir, f"{cfg.variant}_rank{info.rank}", trace, step_s)
+    peak_mb, mem_frac = peak_mem_mb(info.device), memory_frac(info.device)  # the recipe's own, before any trial
+    # The roofline: after the peak memory is read (its count steps a copy of the model), outside every timed window.
+    roofline_s = plan.share(ROOFLINE_SHARE)
     count = count_step(base, per_image_s, None if roofline_s is None else roofline_s / 2)
-    traced = trace_window(base, trace_dir, f"{cfg.variant}_rank{info.rank}", trace, step_s, counted=count.ops)
     peaks = measure_peaks(info.device, None if roofline_s is None else roofline_s / 2)
-    roofline = summarize(peaks, base.ctx.amp, step_s, count.flops, count.bytes, traced.pop("op_time_us"),
-                         count.basis)
+    op_us = attribute_self_time(traced.pop("op_events"), count.ops)
+    # on CUDA the ops' shares are of kernel time: the GPU idles between kernels, a step's wall time overstates theirs
+    op_step_s = step_s if info.device.type == "cpu" else sum(op_us.values()) / traced["recorded_steps"] / 1e6
+    roofline = summarize(peaks, base.ctx.amp, step_s, count.flops, count.bytes, op_us, count.basis, op_step_s)
     if info.rank == 0:
         write_roofline_summary(trace_dir, roofline)
-    peak_mb, mem_frac = peak_mem_mb(info.device), memory_frac(info.device)  # the recipe's own, before any trial
     inference = plan.inference(per_image_s, INFERENCE_BATCH)
     inference_s = inference_times(base, inference.batch, inference.calls)
     export_img_s, export_batch = cpu_fp32_inference(base, plan.share(TAIL_SHARE))
