@@ -237,7 +237,8 @@ def main() -> None:
     args.cuda = torch.cuda.is_available()
     args.classes = open_split(args.data, "train").num_classes
     commit = timm_commit(args.timm_repo)
-    print(f"peer: timm train.py at {commit[:12]} against timm {timm.__version__} (installed), torch {torch.__version__}")
+    print(f"peer: timm train.py at {commit[:12]} against timm {timm.__version__} (installed), "
+          f"torch {torch.__version__}")
     for size in args.size:  # each size ends with its own `cnnpipe/timm:` line
         print(compare(argparse.Namespace(**{**vars(args), "size": size})), flush=True)
 

@@ -8,10 +8,10 @@ peer = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(peer)
 
 LOG = """Training with a single process on 1 device (cpu).
-Train: 0 [   0/4 ( 25%)]  Loss: 2.41 (2.41)  Time: 1.512s,   10.58/s  (1.512s,   10.58/s)  LR: 1.000e-01  Data: 0.9 (0.9)
-Train: 0 [   1/4 ( 50%)]  Loss: 2.38 (2.40)  Time: 0.640s,   25.00/s  (1.076s,   14.87/s)  LR: 1.000e-01  Data: 0.0 (0.4)
-Train: 0 [   2/4 ( 75%)]  Loss: 2.35 (2.38)  Time: 0.500s,   32.00/s  (0.884s,   18.10/s)  LR: 1.000e-01  Data: 0.0 (0.3)
-Train: 0 [   3/4 (100%)]  Loss: 2.33 (2.37)  Time: 0.400s,   40.00/s  (0.763s,   20.97/s)  LR: 1.000e-01  Data: 0.0 (0.2)
+Train: 0 [   0/4 ( 25%)]  Loss: 2.41 (2.41)  Time: 1.512s,   10.58/s  (1.512s,   10.58/s)  LR: 1.000e-01
+Train: 0 [   1/4 ( 50%)]  Loss: 2.38 (2.40)  Time: 0.640s,   25.00/s  (1.076s,   14.87/s)  LR: 1.000e-01
+Train: 0 [   2/4 ( 75%)]  Loss: 2.35 (2.38)  Time: 0.500s,   32.00/s  (0.884s,   18.10/s)  LR: 1.000e-01
+Train: 0 [   3/4 (100%)]  Loss: 2.33 (2.37)  Time: 0.400s,   40.00/s  (0.763s,   20.97/s)  LR: 1.000e-01
 """
 
 

@@ -23,8 +23,6 @@ from cnnpipe.profile.box import PROBE_IMAGES, ROOFLINE_SHARE, TAIL_SHARE, BoxPla
 from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose
 from cnnpipe.profile.format import all_trials
-from cnnpipe.profile.peaks import count_step, measure_peaks
-from cnnpipe.profile.roofline import attribute_self_time, headline, markdown, summarize
 from cnnpipe.profile.measure import (
     INFERENCE_BATCH,
     build_setup,
@@ -37,6 +35,8 @@ from cnnpipe.profile.measure import (
     timed_steps,
     trace_window,
 )
+from cnnpipe.profile.peaks import count_step, measure_peaks
+from cnnpipe.profile.roofline import attribute_self_time, headline, markdown, summarize
 from cnnpipe.profile.trials import (
     Trial,
     TrialContext,
