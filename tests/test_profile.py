@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader, Dataset
 
 from cnnpipe.data.loaders.host import TrainLoader
@@ -194,11 +195,21 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
         second_doubling = trial["knob"] == "batch_size" and "more than batch" in trial["note"]
         assert trial["win"] == (paired_rule and not second_doubling), trial
     assert set(result["tuned"]) == {"amp", "channels_last", "loader", "num_workers", "decode"}  # the `auto` knobs
+    roofline = result["roofline"]  # the machine's peaks, and the step set against them
+    assert min(roofline["peaks"][k] for k in ("bf16_gflops", "fp32_gflops", "copy_gbs")) > 0
+    assert 0 < roofline["math_share"] <= 1 and roofline["step_gflop"] > 0
+    assert "aten::convolution" in {row["op"] for row in roofline["ops"]}
+    assert sum(row["time_share"] for row in roofline["ops"]) == pytest.approx(1.0)
+    assert "roofline: the step runs at" in summary(result)
+    tensorboard = EventAccumulator(str(tmp_path / "logs" / "optimized"), size_guidance={"tensors": 0}).Reload()
+    assert "roofline/text_summary" in tensorboard.Tags()["tensors"]
+    assert "roofline/achieved_gflops" in tensorboard.Tags()["scalars"]
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "optimized.json").write_text(json.dumps(result))
     report = write_report(tmp_path / "m", ["optimized"]).read_text()
     assert "bottleneck" in report and (tmp_path / "m" / "breakdown.png").stat().st_size > 1000
     assert "| **step (median ± IQR)** |" in report and "Wins" in report
+    assert "**Roofline:** the step runs at" in report and "| `aten::convolution` |" in report
     assert ("No rule fired" in report) == (not result["recommendations"])
     quiet = to_markdown({"optimized": {**result, "recommendations": []}}, "breakdown.png")
     assert "No rule fired: forward + backward + optimizer are" in quiet

@@ -22,6 +22,8 @@ from cnnpipe.profile.box import (
     trace_steps,
     trial_batch,
 )
+from cnnpipe.profile.peaks import StepCount
+from cnnpipe.profile.roofline import Peaks
 from cnnpipe.profile.run import profile_variant, summary
 from cnnpipe.profile.trials import Trial, TrialContext
 from cnnpipe.train.distributed import DistInfo
@@ -218,7 +220,11 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
         return []
 
     fakes = {"build_setup": fake_setup, "probe_per_image": lambda s, images: 0.012, "timed_steps": timed,
-             "trace_window": lambda *a: {"host_syncs_per_step": 0.0, "gpu_busy_frac": None, "tensor_core_frac": None},
+             "trace_window": lambda *a: {"host_syncs_per_step": 0.0, "gpu_busy_frac": None, "tensor_core_frac": None,
+                                         "recorded_steps": 1, "op_events": []},
+             "count_step": lambda s, per_image_s, share_s: StepCount({}, {}, "faked"),
+             "measure_peaks": lambda device, share_s: Peaks(1.0, 1.0, 1.0, 256, 256, 1, 0.0),
+             "write_roofline_summary": lambda trace_dir, roofline: None,
              "inference_times": lambda s, batch, calls: [0.004 * batch] * calls,
              "cpu_fp32_inference": lambda s, share: (100.0, 64), "process_seconds": lambda: 0.0,
              "run_trials": trials, "smaller_batch_trials": smaller,

@@ -10,6 +10,8 @@ size, batch or device:
   batch (a rule, not a law: on a 2-core Xeon batch 256 ran 1.12x faster per image than 128 at 32 px,
   and 1.43x slower than 64 at 128 px);
 - the trace window: `TRACE_SHARE`, fewer active steps when steps are slow;
+- the roofline: `ROOFLINE_SHARE`, half for one step's FLOP count (at a halved batch when a step is
+  slower than that) and half for the machine's three peaks (`profile/peaks.py`);
 - the smaller batches `train.min_steps` may pick: `SMALLER_SHARE`, fewer rounds when slow, and
   predicted by the same proportional rule (and marked so) when not even one round fits;
 - the inference timing: `TAIL_SHARE`, at a smaller batch when slow, and the export's fp32 timing on
@@ -35,6 +37,7 @@ from cnnpipe.profile.clock import TrialClock, block_steps, trial_window
 
 BASE_SHARE = 0.15
 TRACE_SHARE = 0.12
+ROOFLINE_SHARE = 0.06
 SMALLER_SHARE = 0.25
 TAIL_SHARE = 0.08
 MIN_MEASURE_BATCH = 16

@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.autograd import DeviceType
@@ -31,6 +31,7 @@ from cnnpipe.data.store.shards import PreparedSplit
 from cnnpipe.profile.box import TraceSteps
 from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
+from cnnpipe.profile.roofline import OpEvent
 from cnnpipe.train.distributed import DistInfo, unwrap
 from cnnpipe.train.engine import Spans, StepContext, forward_times, micro_step, no_region, sync_device
 from cnnpipe.train.parts import build_training, step_context
@@ -210,7 +211,7 @@ def _cpu_seconds() -> float:
 
 
 def trace_window(s: Setup, trace_dir: Path, worker: str, steps: TraceSteps, step_s: float,
-                 on_trace_ready: Callable | None = None) -> dict[str, float | None]:
+                 on_trace_ready: Callable | None = None) -> dict[str, Any]:
     """Run the torch.profiler schedule `steps` and write one TensorBoard trace.
 
     Returns what only the trace can tell, read from the recorded steps' own spans (`ProfilerStep#N`),
@@ -220,7 +221,9 @@ def trace_window(s: Setup, trace_dir: Path, worker: str, steps: TraceSteps, step
     share is kernel time per recorded step over `step_s`, the un-profiled step time: kernel
     durations are the GPU's own clock, which the profiler's host-side extras (shapes, memory) do not
     stretch, while a profiled step's wall time is; and the Tensor Core share of matrix-kernel time.
-    `trace_step_s` is the median profiled step, for comparison with `step_s`.
+    `trace_step_s` is the median profiled step, for comparison with `step_s`. `op_events`: the
+    trace's host events with their self time (kernel time on CUDA), for the roofline's op table
+    (`roofline.attribute_self_time`, once the ops are counted); `recorded_steps`: how many steps they span.
     """
     trace_dir.mkdir(parents=True, exist_ok=True)
     for stale in trace_dir.glob("*.pt.trace.json*"):
@@ -252,7 +255,19 @@ def trace_window(s: Setup, trace_dir: Path, worker: str, steps: TraceSteps, step
             "trace_step_s": statistics.median(b - a for a, b in spans) / 1e6 if spans else None,
             "gpu_busy_frac": busy_fraction(kernels, recorded * step_s * 1e6) if cuda else None,
             "gpu_busy_basis": "kernel time per recorded step / un-profiled step time" if cuda else None,
-            "tensor_core_frac": tensor_core_share(kernels) if cuda else None}
+            "tensor_core_frac": tensor_core_share(kernels) if cuda else None,
+            "recorded_steps": recorded, "op_events": op_events(events, cuda)}
+
+
+def op_events(events: list, cuda: bool) -> list[OpEvent]:
+    """The trace's host events as `OpEvent`s (parents by index), each with its self time: the host's
+    on the CPU, the kernels' it launched on CUDA (where the host only queues work)."""
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    index = {id(e): i for i, e in enumerate(host)}
+    return [OpEvent(e.name, index.get(id(e.cpu_parent)) if e.cpu_parent is not None else None,
+                    e.self_device_time_total if cuda else e.self_cpu_time_total, bool(e.is_user_annotation)
+                    or e.name.startswith("ProfilerStep"))
+            for e in host]
 
 
 def count_inside(times: list[float], spans: list[tuple[float, float]]) -> int:

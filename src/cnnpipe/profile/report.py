@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from cnnpipe.profile.format import REGIONS, all_trials
+from cnnpipe.profile.roofline import markdown as roofline_markdown
 
 
 def load_profiles(profile_dir: Path, variants: list[str]) -> dict[str, dict[str, Any]]:
@@ -70,6 +71,8 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
                   f"{p['device']}, {p['threads']} threads, {_image_size(p)}amp={p['amp']}, {_batch(p)}, "
                   f"CPU utilisation {p['cpu_util']:.0%}, peak memory {p['peak_mem_mb']:.0f} MB, "
                   f"{_syncs(p)}{_gpu_facts(p)}.{_stage_time(p)}", ""]
+        if p.get("roofline"):  # (profiles from before it was measured have none)
+            lines += roofline_markdown(p["roofline"]) + [""]
         if not p["recommendations"]:
             compute = sum(p["fractions"].get(k, 0.0) for k in ("forward", "backward", "optimizer"))
             lines.append(f"No rule fired: forward + backward + optimizer are {compute:.1%} of the step, with "

@@ -19,7 +19,7 @@ from cnnpipe.config import VariantConfig
 from cnnpipe.data.store.shards import open_split
 from cnnpipe.files import write_json, write_text
 from cnnpipe.monitor import peak_mem_mb, process_seconds, reset_peak_memory
-from cnnpipe.profile.box import PROBE_IMAGES, TAIL_SHARE, BoxPlan, TimeBox
+from cnnpipe.profile.box import PROBE_IMAGES, ROOFLINE_SHARE, TAIL_SHARE, BoxPlan, TimeBox
 from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose
 from cnnpipe.profile.format import all_trials
@@ -35,6 +35,8 @@ from cnnpipe.profile.measure import (
     timed_steps,
     trace_window,
 )
+from cnnpipe.profile.peaks import count_step, measure_peaks
+from cnnpipe.profile.roofline import attribute_self_time, headline, markdown, summarize
 from cnnpipe.profile.trials import (
     Trial,
     TrialContext,
@@ -95,6 +97,16 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     trace = plan.trace(step_s)
     traced = trace_window(base, trace_dir, f"{cfg.variant}_rank{info.rank}", trace, step_s)
     peak_mb, mem_frac = peak_mem_mb(info.device), memory_frac(info.device)  # the recipe's own, before any trial
+    # The roofline: after the peak memory is read (its count steps a copy of the model), outside every timed window.
+    roofline_s = plan.share(ROOFLINE_SHARE)
+    count = count_step(base, per_image_s, None if roofline_s is None else roofline_s / 2)
+    peaks = measure_peaks(info.device, None if roofline_s is None else roofline_s / 2)
+    op_us = attribute_self_time(traced.pop("op_events"), count.ops)
+    # on CUDA the ops' shares are of kernel time: the GPU idles between kernels, a step's wall time overstates theirs
+    op_step_s = step_s if info.device.type == "cpu" else sum(op_us.values()) / traced["recorded_steps"] / 1e6
+    roofline = summarize(peaks, base.ctx.amp, step_s, count.flops, count.bytes, op_us, count.basis, op_step_s)
+    if info.rank == 0:
+        write_roofline_summary(trace_dir, roofline)
     inference = plan.inference(per_image_s, INFERENCE_BATCH)
     inference_s = inference_times(base, inference.batch, inference.calls)
     export_img_s, export_batch = cpu_fp32_inference(base, plan.share(TAIL_SHARE))
@@ -152,6 +164,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "cpu_util": cpu_util,
         **traced,
         "trace_steps": dataclasses.asdict(trace),
+        "roofline": roofline,
         "peak_mem_mb": peak_mb,
         "memory_frac": mem_frac,
         "bottleneck": label,
@@ -176,6 +189,23 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     }
 
 
+def write_roofline_summary(trace_dir: Path, roofline: dict[str, Any]) -> None:
+    """The roofline beside the trace, for TensorBoard: its headline and op table as text, the step's
+    achieved GFLOP/s and shares of the peaks as scalars (the old event files go first: one run per
+    variant, like the trace)."""
+    from torch.utils.tensorboard import SummaryWriter  # (loads tensorboard: only when writing)
+
+    for stale in trace_dir.glob("events.out.tfevents.*"):
+        stale.unlink()
+    with SummaryWriter(str(trace_dir)) as writer:
+        writer.add_text("roofline", "\n".join(markdown(roofline)))
+        for name in ("achieved_gflops", "bf16_share", "math_share", "bandwidth_share"):
+            if roofline[name] is not None:
+                writer.add_scalar(f"roofline/{name}", roofline[name])
+        for name in ("bf16_gflops", "fp32_gflops", "copy_gbs"):
+            writer.add_scalar(f"roofline/peak_{name}", roofline["peaks"][name])
+
+
 def save_profile(result: dict[str, Any], out_dir: Path) -> None:
     """`<variant>.json` and `<variant>_tuned.yaml` (only the `auto` knobs, so explicit recipes get
     an empty, stable file that training can depend on)."""
@@ -191,6 +221,8 @@ def summary(result: dict[str, Any]) -> str:
              f"{result['step_time_median_s'] * 1000:.0f} ms/step, "
              f"{result['throughput_img_s']:.0f} img/s at batch {result['batch_size']}; {shares}; "
              f"bottleneck: {result['bottleneck']}"]
+    if result.get("roofline"):
+        lines.append(f"  roofline: {headline(result['roofline'])}")
     recipe_batch = result.get("recipe_batch_size", result["batch_size"])
     if recipe_batch != result["batch_size"]:
         lines.append(f"  measured at batch {result['batch_size']}, not the recipe's {recipe_batch}: three steps there "
