@@ -78,7 +78,7 @@ def render(verdict: dict[str, Any]) -> str:
                   "| New anchor |",
                   "|---:|---:|---:|---:|---:|---:|---|---|",
                   f"| {drift['images']:,} | {drift['anchor_top1']:.2%} | {drift['challenger_top1']:.2%} | "
-                  f"{drift['difference']:+.2%} | {drift['lower_bound']:+.2%} ({drift['confidence']:.0%}) | "
+                  f"{drift['difference']:+.2%} | {drift['lower_bound']:+.2%} ({drift['confidence']:.2%}) | "
                   f"-{drift['budget']:.2%} | {'yes' if drift['within'] else 'NO'} | "
                   f"{'yes' if drift.get('new_anchor') else 'no'} |"]
     if verdict.get("worst_classes"):
