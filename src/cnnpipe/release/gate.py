@@ -375,12 +375,13 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     failed |= bool(failing)
     judged = sum(r["judged"] for r in rows)
     for r in failing:
-        reasons.append(f"class {r['class']!r} loses {r['drop']:.1%} of recall as served ({r['champion_recall']:.1%} -> "
+        who = f"the {r['class']}," if "pooled" in r else f"class {r['class']!r}"
+        reasons.append(f"{who} loses {r['drop']:.1%} of recall as served ({r['champion_recall']:.1%} -> "
                        f"{r['challenger_recall']:.1%} on {r['support']} images, "
                        f"{r['challenger_recall_like_for_like']:.1%} among the champion's classes; "
                        f"{r['negative_flips']} now wrong, "
                        f"{r['positive_flips']} now right; p={r['p_worse']:.2g}, below the {r['level']:.2g} the "
-                       f"correction for {judged} classes asks), more than the allowed {rules.max_class_drop:.1%}")
+                       f"correction for {judged} tests asks), more than the allowed {rules.max_class_drop:.1%}")
     if not failing:
         reasons.append(f"no class loses recall as served beyond doubt and by more than {rules.max_class_drop:.1%} "
                        f"({judged} tests: the classes of at least {rules.min_support} test images, and the "
