@@ -67,7 +67,9 @@ class ReleaseConfig:
     """A class fails when it lost recall beyond doubt (Holm-adjusted exact test) and by more than this."""
     too_small: Literal["bless", "refuse"] = "bless"
     """What the loop does when the test set is too small to judge the margin: `bless` with the warning
-    in gate.md (a small catalog can still ship; a clear regression is still refused), or `refuse`."""
+    in gate.md (a small catalog can still ship; a clear regression is still refused), or `refuse`. The
+    same choice on a set too small for the drift bound's spent error (`drift_error`) to pass even a
+    challenger that answers as the anchor does: `bless` judges its drift at `drift_confidence`."""
     new_class_min_recall: float = 0.5
     """A new class fails when its recall is below this beyond doubt."""
     max_to_new_class: float = 0.25

@@ -20,12 +20,14 @@ those classes only (its argmax restricted to them: `challenger_pred_known`). On 
   on how much the models disagree: more disagreement never buys a blessing.
 - **the drift budget**: against the anchor (the last model shown within the margin of the anchor
   before it, and no worse than it; the champion when none is recorded), on today's whole test set,
-  the lower bound (at `drift_confidence` where the set cannot show the budget at 95%) must be above
+  the lower bound must be above
   `-drift_budget`, so small losses cannot add up week after week. The bound's error is spent over
   weeks: each week's is one-sided at `1 - drift_error / drift_weeks` (Bonferroni over the
   `drift_weeks` looks an anchor is judged at), so a loop that retries a refused week with another
   challenger ships a model beyond the budget with probability at most `drift_error` over those weeks
-  (plus what a moved anchor's own loss adds), not `1 - drift_confidence` a week.
+  (plus what a moved anchor's own loss adds), not `1 - drift_confidence` a week. A set too small
+  for that bound to pass even a challenger that answers as the anchor does (`paired.drift_decidable`)
+  gets a warning, and `too_small` decides: judged at `drift_confidence` (bless) or refused.
 
 What is served. The old classes are also judged on the answer the challenger will serve (its argmax
 over all of today's classes), where an old class's image called a new class is wrong. Every rule here
