@@ -19,7 +19,7 @@ Printed per week, test size and class count, in % of the simulated weeks: judged
 blessed (with or without the too-small warning), blessed among the judged weeks, refused, and
 refused by a per-class rule.
 
-Then two tables of `cnnpipe.release.simulate`'s weeks (a challenger `loss` worse in every class that
+Then three tables of `cnnpipe.release.simulate`'s weeks (a challenger `loss` worse in every class that
 disagrees with the champion on `flips` of the images, a wrong answer being the next class):
 
   Disagreement   one week, 2,000 test images in 20 classes, the bless rate by true loss and by
