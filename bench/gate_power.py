@@ -12,12 +12,14 @@ as many each way. Weeks:
   new class           equal at 6% on the old classes, plus a new class of n/10 more images at 85%
                       recall, and 2% of the old classes' images now called the new class
   new class, 2 worse  the same week with the old classes 2 points worse
+  drain 30%, drain 24% equal on the old classes like for like, but as served 30% (24%) of their images
+                      now called the new class (the issue's drains of small classes: 10 x 15, 50 x 19)
 
 Printed per week, test size and class count, in % of the simulated weeks: judged (not too small),
 blessed (with or without the too-small warning), blessed among the judged weeks, refused, and
 refused by a per-class rule.
 
-Then two tables of `cnnpipe.release.simulate`'s weeks (a challenger `loss` worse in every class that
+Then three tables of `cnnpipe.release.simulate`'s weeks (a challenger `loss` worse in every class that
 disagrees with the champion on `flips` of the images, a wrong answer being the next class):
 
   Disagreement   one week, 2,000 test images in 20 classes, the bless rate by true loss and by
@@ -25,14 +27,19 @@ disagrees with the champion on `flips` of the images, a wrong answer being the n
   Weeks in a row 12 weeks, each challenger trained from the champion, `loss` worse and disagreeing
                  on 6%; the test set starts at n images and grows by n/10 a week; the champion
                  changes when a challenger is blessed, the anchor when one is shown within the margin
-                 of the anchor. Per cell: the weeks too small to judge, the weeks refused, the runs
+                 of the anchor. A refused week is retried: next week's challenger comes from the
+                 same champion. Per cell: the weeks too small to judge, the weeks refused, the runs
                  whose shipped loss never passed the drift budget in 12 weeks, and the loss shipped
                  after 12 weeks (mean and the worst run)
+  Drift promise  the same loop at 200, 1,000 and 5,000 test images: the runs within the budget at
+                 0.5, 1 and 2 points a week, beside the weeks an equal challenger is blessed and the
+                 images the drift bound needs to pass an equal challenger 95% of the time
 
 Then the targets, each with its worst cell.
 
     python bench/gate_power.py                # 300 weeks per cell
     python bench/gate_power.py --weeks 50     # a quick look
+    python bench/gate_power.py --weeks 60 --runs 100 --sizes 200 1000 5000   # docs/weekly-loop.md's tables
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import numpy as np
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.release.gate import GateRules, judge
 from cnnpipe.release.simulate import one_week, run_weeks
+from cnnpipe.release.stats import images_needed
 
 SIZES = (200, 1_000, 5_000, 20_000)
 CLASS_COUNTS = (10, 50, 200, 1_000)
@@ -60,12 +68,14 @@ class Week:
     worse: float = 0.0  # recall lost in every class
     one_class: float = 0.0  # recall lost by class 0 alone
     new_class: bool = False
+    drain: float = 0.02  # the old classes' images the challenger now calls the new class (as served)
 
 
 WEEKS = (Week("equal 3%", 0.03), Week("equal 6%"), Week("equal 10%", 0.10), Week("1 pt worse", worse=0.01),
          Week("2 pt worse", worse=0.02), Week("3 pt worse", worse=0.03), Week("one class -10 pt", one_class=0.10),
          Week("one class -20 pt", one_class=0.20), Week("new class", new_class=True),
-         Week("new class, 2 worse", worse=0.02, new_class=True))
+         Week("new class, 2 worse", worse=0.02, new_class=True), Week("drain 30%", new_class=True, drain=0.30),
+         Week("drain 24%", new_class=True, drain=0.24))
 
 
 def simulate(week: Week, n: int, k: int, recall: np.ndarray, rules: GateRules, rng: np.random.Generator) -> dict:
@@ -87,7 +97,7 @@ def simulate(week: Week, n: int, k: int, recall: np.ndarray, rules: GateRules, r
         return judge(label, champion, challenger, classes, classes, rules)
     extra = n // 10  # the new class's test images: the champion never says it
     known = challenger.copy()
-    pulled = rng.random(len(label)) < 0.02  # old images now called the new class by the unrestricted argmax
+    pulled = rng.random(len(label)) < week.drain  # old images now called the new class by the unrestricted argmax
     challenger = np.where(pulled, k, challenger)
     label = np.concatenate([label, np.full(extra, k)])
     champion = np.concatenate([champion, rng.integers(0, k, extra)])
@@ -160,6 +170,41 @@ def runs_table(runs: int, seed: int, rules: GateRules, classes: int = 10) -> lis
     return rows
 
 
+PROMISE_SIZES = (200, 1_000, 5_000)
+PROMISE_LOSSES = (0.005, 0.01, 0.02)
+
+
+def promise_table(runs: int, seed: int, rules: GateRules, classes: int = 10) -> list[dict]:
+    """The drift promise with retries at the sizes the docs name: within the budget per loss a week,
+    and an equal challenger's bless rate in the same loop, with the size the drift bound needs."""
+    recall = np.random.default_rng([seed, classes]).uniform(0.60, 0.94, classes)
+    print(f"\n### Drift promise: a loop that retries every refused week, {RUN_WEEKS} weeks, {classes} classes, 6% "
+          f"disagreement, the test set growing by a tenth of its first size a week; drift bound "
+          f"{rules.drift_look_confidence:.2%} a week ({rules.drift_error:.0%} spent over {rules.drift_weeks} weeks); "
+          f"{runs} runs a cell\n")
+    print("| Test images (week 1) | " + " | ".join(f"Within budget, {x * 100:.1f} pt a week" for x in PROMISE_LOSSES)
+          + " | Equal challenger blessed (% of weeks) | Images the drift bound needs (an equal challenger passing 95%, "
+          "disagreeing on the error rate) |")
+    print("|---:|" + "---:|" * (len(PROMISE_LOSSES) + 2))
+    rows = []
+    accuracy = float(recall.mean())
+    for n in PROMISE_SIZES:
+        within = []
+        for loss in PROMISE_LOSSES:
+            ok = sum(max(run_weeks(n, n // 10, classes, recall, 0.06, loss, RUN_WEEKS, rules,
+                                   np.random.default_rng([seed, n, int(loss * 1e4), r, 1]),
+                                   stop_at_refusal=False).shipped_loss) <= rules.drift_budget + 1e-9
+                     for r in range(runs))
+            within.append(100 * ok / runs)
+        equal = [run_weeks(n, n // 10, classes, recall, 0.06, 0.0, RUN_WEEKS, rules,
+                           np.random.default_rng([seed, n, 0, r, 2]), stop_at_refusal=False) for r in range(runs)]
+        blessed = 100 * float(np.mean([b for run in equal for b in run.blessed]))
+        needed = images_needed(accuracy, 1 - accuracy, rules.drift_budget, rules.drift_look_confidence, rules.power)
+        rows.append({"n": n, "within": within, "equal": blessed, "needed": needed})
+        print(f"| {n:,} | " + " | ".join(f"{w:.1f}" for w in within) + f" | {blessed:.1f} | {needed:,} |", flush=True)
+    return rows
+
+
 def targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
     """The targets the defaults must meet, each with whether it holds and its worst cell."""
     def worst(name: str, cells: list[dict], key: str, low: bool) -> tuple[str, bool, str]:
@@ -179,7 +224,8 @@ def targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
             worst("the per-class rules refuse an equal challenger <= 5%", equal, "by_class", False)]
 
 
-def drift_targets(disagreement: list[dict], runs: list[dict], rules: GateRules) -> list[tuple[str, bool, str]]:
+def drift_targets(disagreement: list[dict], runs: list[dict], rules: GateRules, promise: list[dict],
+                  rows: list[dict]) -> list[tuple[str, bool, str]]:
     """The targets of the disagreement and weeks-in-a-row tables."""
     within = [r for r in disagreement if r["loss"] < rules.drift_budget]
     rise = max(within, key=lambda r: r["rise"])
@@ -187,6 +233,7 @@ def drift_targets(disagreement: list[dict], runs: list[dict], rules: GateRules) 
                  default=0.0)
     point = [r for r in runs if r["loss"] == 0.01 and r["n"] == 1_000]
     caught = min(runs, key=lambda r: r["caught"] if r["loss"] else 101)
+    drains = [r for r in rows if r["week"].startswith("drain")]
     return [("top-1 rules: more disagreement never raises the bless rate within the budget (rise <= 5 points)",
              rise["rise"] <= 5, f"{rise['rise']:+.1f} points ({rise['loss'] * 100:.1f} pt loss)"),
             (f"beyond the budget, blessed <= {100 * (1 - rules.drift_confidence):.0f}% at any disagreement",
@@ -194,7 +241,16 @@ def drift_targets(disagreement: list[dict], runs: list[dict], rules: GateRules) 
             ("weeks 1 point worse at 1,000 images: the first refusal before their sum passes 3 points >= 90%",
              bool(point) and point[0]["first"] >= 90, f"{point[0]['first']:.1f}%" if point else "not run"),
             ("runs of losing weeks never ship more than the budget in 12 weeks >= 90%", caught["caught"] >= 90,
-             f"{caught['caught']:.1f}% ({caught['n']:,} images, {caught['loss'] * 100:.1f} pt a week)")]
+             f"{caught['caught']:.1f}% ({caught['n']:,} images, {caught['loss'] * 100:.1f} pt a week)"),
+            ("retrying 12 weeks, 0.5-2 pt a week, 200-5,000 images: within the budget >= 90%",
+             bool(promise) and min(w for r in promise for w in r["within"]) >= 90,
+             min((f"{w:.1f}% ({r['n']:,} images, {x * 100:.1f} pt a week)" for r in promise
+                  for x, w in zip(PROMISE_LOSSES, r["within"])), key=lambda t: float(t.split("%")[0]))
+             if promise else "not run"),
+            ("a drain of 24-30% into a new class refused >= 90%, every class size",
+             bool(drains) and min(r["refused"] for r in drains) >= 90,
+             (lambda c: f"{c['refused']:.1f}% ({c['week']}, {c['n']:,} images, {c['k']:,} classes)")(
+                 min(drains, key=lambda r: r["refused"])) if drains else "not run")]
 
 
 def main() -> None:
@@ -204,13 +260,14 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="test set sizes")
     parser.add_argument("--classes", type=int, nargs="+", default=list(CLASS_COUNTS), help="class counts")
     parser.add_argument("--only", nargs="+", metavar="WEEK", help="only these weeks (their names as printed)")
+    parser.add_argument("--runs", type=int, default=None, help="runs a weeks-in-a-row cell (default weeks / 3)")
     args = parser.parse_args()
     cfg = ReleaseConfig()
     rules = GateRules.from_config(cfg)
     print(f"gate_power: {args.weeks} weeks per cell; release defaults: margin {cfg.margin}, min_support "
           f"{cfg.min_support}, max_class_drop {cfg.max_class_drop}, too_small {cfg.too_small}, drift_budget "
-          f"{cfg.drift_budget}, drift_confidence {cfg.drift_confidence}, confidence {rules.confidence}, power "
-          f"{rules.power}")
+          f"{cfg.drift_budget}, drift_confidence {cfg.drift_confidence}, drift_weeks {cfg.drift_weeks}, drift_error "
+          f"{cfg.drift_error}, confidence {rules.confidence}, power {rules.power}")
     print("\n| Week | Test images | Classes | Images/class | Judged | Blessed | Blessed, of the judged | Refused "
           "| Refused by a class rule |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -239,9 +296,11 @@ def main() -> None:
     top1 = GateRules(**{**vars(rules), "min_support": 10**9})  # no class judged: the top-1 rules alone
     disagreement = disagreement_table(args.weeks, args.seed, top1, "the top-1 rules alone (no class judged)")
     disagreement_table(args.weeks, args.seed, rules, "every rule (the per-class rule too)")
-    runs = runs_table(max(args.weeks // 3, 10), args.seed, rules)
+    runs_a_cell = args.runs or max(args.weeks // 3, 10)
+    runs = runs_table(runs_a_cell, args.seed, rules)
+    promise = promise_table(runs_a_cell, args.seed, rules)
     print("\n| Target | Met | Worst cell |\n|---|---|---|")
-    for name, ok, cell in targets(rows) + drift_targets(disagreement, runs, rules):
+    for name, ok, cell in targets(rows) + drift_targets(disagreement, runs, rules, promise, rows):
         print(f"| {name} | {'yes' if ok else 'NO'} | {cell} |")
     print(f"\ngate_power: {time.perf_counter() - t0:.0f} s")
 

@@ -216,11 +216,14 @@ def test_the_per_class_rule_needs_a_loss_beyond_doubt_and_beyond_the_allowed_dro
     # a sure but small loss: 30 of 1,000 now wrong, 3 points, under the 5 allowed
     labels, champion, challenger = answers({0: (970, 30, 0, 0), 1: (30, 0, 0, 0)})
     assert judge(labels, champion, challenger, NAMES[:2], NAMES[:2], rules)["classes_failing"] == []
-    # under min_support: listed, not judged
+    # under min_support: not judged alone, but judged with the other small classes pooled (here alone in
+    # the pool: 10 of 19 now wrong, p = 2^-10), never skipped
     labels, champion, challenger = answers({0: (9, 10, 0, 0), 1: (30, 0, 0, 0)})
     verdict = judge(labels, champion, challenger, NAMES[:2], NAMES[:2], rules)
-    assert verdict["classes_failing"] == [] and verdict["classes_judged"] == 1
-    assert {r["class"]: r["judged"] for r in verdict["worst_classes"]} == {"c0": False, "c1": True}
+    pool = "1 class under 20 test images, pooled"
+    assert verdict["classes_failing"] == [pool] and verdict["classes_judged"] == 2
+    assert {r["class"]: r["judged"] for r in verdict["worst_classes"]} == {"c0": False, "c1": True, pool: True}
+    assert verdict["worst_classes"][0]["pooled"] == ["c0"]
 
 
 def test_the_class_correction_counts_only_the_classes_that_could_fail():

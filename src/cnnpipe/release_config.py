@@ -67,7 +67,9 @@ class ReleaseConfig:
     """A class fails when it lost recall beyond doubt (Holm-adjusted exact test) and by more than this."""
     too_small: Literal["bless", "refuse"] = "bless"
     """What the loop does when the test set is too small to judge the margin: `bless` with the warning
-    in gate.md (a small catalog can still ship; a clear regression is still refused), or `refuse`."""
+    in gate.md (a small catalog can still ship; a clear regression is still refused), or `refuse`. The
+    same choice on a set too small for the drift bound's spent error (`drift_error`) to pass even a
+    challenger that answers as the anchor does: `bless` judges its drift at `drift_confidence`."""
     new_class_min_recall: float = 0.5
     """A new class fails when its recall is below this beyond doubt."""
     max_to_new_class: float = 0.25
@@ -78,8 +80,15 @@ class ReleaseConfig:
     judge, each a small loss, is refused once their sum is beyond this (a one-sided lower bound). Also
     the widest margin a week too small to judge is judged at."""
     drift_confidence: float = 0.8
-    """The one-sided confidence of the week's and the drift's bounds on a test set too small to show
-    `drift_budget` at 95% (a larger set uses 95%)."""
+    """The one-sided confidence of the week's bound on a test set too small to show `drift_budget` at
+    95% (a larger set uses 95%). The drift's own bound spends `drift_error` instead."""
+    drift_weeks: int = 12
+    """The weeks (looks) the drift bound's error is spent over: each week's bound against the anchor is
+    one-sided at 1 - drift_error / drift_weeks. A retry of a refused week is another look."""
+    drift_error: float = 0.1
+    """The most chance, over `drift_weeks` looks at one anchor, that a challenger beyond `drift_budget`
+    passes the drift bound: a loop that retries every refused week still ships a model within the
+    budget in at least 1 - drift_error of its runs (docs/weekly-loop.md has the simulated rates)."""
     renamed: dict[str, str] = field(default_factory=dict)
     """Classes renamed since the champion, {old: new}: compared as one class by the gate, and the
     warm start keeps the old class's classifier row for the new name."""
@@ -117,6 +126,10 @@ class ReleaseConfig:
             reject("release.drift_budget", self.drift_budget, f"a share of top-1 in [release.margin={self.margin}, 1)")
         if not 0.5 <= self.drift_confidence < 1.0:
             reject("release.drift_confidence", self.drift_confidence, "a one-sided confidence in [0.5, 1), e.g. 0.8")
+        if not (isinstance(self.drift_weeks, int) and self.drift_weeks >= 1):
+            reject("release.drift_weeks", self.drift_weeks, "an integer >= 1, e.g. 12")
+        if not 0.0 < self.drift_error < 0.5:
+            reject("release.drift_error", self.drift_error, "a probability in (0, 0.5), e.g. 0.1")
         if not 0.0 <= self.max_relabel_share <= 1.0:
             reject("release.max_relabel_share", self.max_relabel_share, "a share of a class's images in [0, 1]")
         if not (isinstance(self.renamed, dict) and all(isinstance(k, str) and isinstance(v, str) and k != v

@@ -20,20 +20,33 @@ those classes only (its argmax restricted to them: `challenger_pred_known`). On 
   on how much the models disagree: more disagreement never buys a blessing.
 - **the drift budget**: against the anchor (the last model shown within the margin of the anchor
   before it, and no worse than it; the champion when none is recorded), on today's whole test set,
-  the lower bound (at `drift_confidence` where the set cannot show the budget at 95%) must be above
-  `-drift_budget`, so small losses cannot add up week after week.
+  the lower bound must be above
+  `-drift_budget`, so small losses cannot add up week after week. The bound's error is spent over
+  weeks: each week's is one-sided at `1 - drift_error / drift_weeks` (Bonferroni over the
+  `drift_weeks` looks an anchor is judged at), so a loop that retries a refused week with another
+  challenger ships a model beyond the budget with probability at most `drift_error` over those weeks
+  (plus what a moved anchor's own loss adds), not `1 - drift_confidence` a week. A set too small
+  for that bound to pass even a challenger that answers as the anchor does (`paired.drift_decidable`)
+  gets a warning, and `too_small` decides: judged at `drift_confidence` (bless) or refused.
 
 What is served. The old classes are also judged on the answer the challenger will serve (its argmax
-over all of today's classes), where an old class's image called a new class is wrong:
+over all of today's classes), where an old class's image called a new class is wrong. Every rule here
+holds at every class size: classes too small to judge alone are judged together, never skipped (a
+growing catalog's new classes are small; a drain spread thinly over them is still a drain).
 
-- **no class left behind**: per class with at least `min_support` images, a one-sided exact
-  McNemar test that the challenger lost served recall, corrected for the number of classes by Holm's
-  step-down with Tarone's count (`stats.tarone_holm`: a class whose answers changed on too few
-  images to ever be significant does not dilute the others); a class fails when its test is
-  rejected and it lost more than `max_class_drop` of recall, whether its images went to another old
-  class or to new ones. Its recall among the champion's classes is reported beside it.
+- **served top-1**: `compare` on the old classes' images with the served answers, the same outcome
+  rules as like for like (the margin, or the margin a small set supports): a new class that takes
+  old classes' images cannot hide behind an unchanged like-for-like top-1.
+- **no class left behind**: per class with at least `min_support` images, and once for the classes
+  under it pooled, a one-sided exact McNemar test that the challenger lost served recall, corrected
+  for the number of tests by Holm's step-down with Tarone's count (`stats.tarone_holm`: a class
+  whose answers changed on too few images to ever be significant does not dilute the others); a
+  class (or the pool) fails when its test is rejected and it lost more than `max_class_drop` of
+  recall, whether its images went to another old class or to new ones. Its recall among the
+  champion's classes is reported beside it.
 - **drained into new classes**: the share of an old class's images the challenger now calls any new
-  class, at most `max_to_new_class`.
+  class, at most `max_to_new_class`: per class of `min_support` images, for the smaller classes
+  pooled, and over all the old classes' images together.
 
 New classes are judged on their own: a one-sided exact test that a class's recall is below
 `new_class_min_recall`, Holm-adjusted over the new classes. Removed classes are listed. Floors apply
@@ -56,7 +69,14 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 from scipy.stats import binom
 
-from cnnpipe.release.paired import compare, drift, drift_reason, paired_reason, too_small_warning
+from cnnpipe.release.paired import (
+    compare,
+    drift,
+    drift_reason,
+    drift_too_small_warning,
+    paired_reason,
+    too_small_warning,
+)
 from cnnpipe.release.stats import holm, tarone_holm, wilson, worse_p, z_of
 
 REPORTED_CLASSES = 20  # the worst classes listed in the verdict (every failing one is listed too)
@@ -77,6 +97,8 @@ class GateRules:
     max_to_new_class: float = 0.25
     drift_budget: float = 0.03
     drift_confidence: float = 0.8
+    drift_weeks: int = 12
+    drift_error: float = 0.1
     renamed: Mapping[str, str] = field(default_factory=dict)
     floors: Mapping[str, float] = field(default_factory=lambda: {"top1": 0.5})
 
@@ -88,13 +110,21 @@ class GateRules:
     def class_alpha(self) -> float:
         return 1.0 - self.class_confidence
 
+    @property
+    def drift_look_confidence(self) -> float:
+        """The one-sided confidence of each week's drift bound: `drift_error` spent evenly over
+        `drift_weeks` looks (Bonferroni: any of them passing a challenger beyond the budget is the
+        error the drift promise bounds, whatever the looks' correlation on a growing test set)."""
+        return 1.0 - self.drift_error / self.drift_weeks
+
     @classmethod
     def from_config(cls, cfg: Any) -> GateRules:
         """The rules in a `ReleaseConfig`."""
         return cls(margin=cfg.margin, min_support=cfg.min_support, max_class_drop=cfg.max_class_drop,
                    too_small=cfg.too_small, new_class_min_recall=cfg.new_class_min_recall,
                    max_to_new_class=cfg.max_to_new_class, drift_budget=cfg.drift_budget,
-                   drift_confidence=cfg.drift_confidence, renamed=dict(cfg.renamed), floors=dict(cfg.floors))
+                   drift_confidence=cfg.drift_confidence, drift_weeks=cfg.drift_weeks,
+                   drift_error=cfg.drift_error, renamed=dict(cfg.renamed), floors=dict(cfg.floors))
 
 
 @dataclass(frozen=True)
@@ -129,17 +159,28 @@ def class_rule(labels: np.ndarray, champion_right: np.ndarray, challenger_right:
                rules: GateRules, like_for_like_right: np.ndarray | None = None) -> list[dict[str, Any]]:
     """Per class present in `labels`: both recalls, the flips, the one-sided exact p that the challenger
     lost recall and the level it was tested at (`tarone_holm` over the judged classes, those with
-    `min_support` images or more), and whether it fails. Failing classes first, then by drop.
+    `min_support` images or more, and one more test: the classes under it pooled, a row of its own
+    with `pooled` naming them), and whether it fails. Failing classes first, then by drop.
     `like_for_like_right` (the challenger's answers among the champion's classes) adds its recall on
     them to each row, reported beside the judged one."""
     k = len(classes)
-    support = np.bincount(labels, minlength=k)
-    hits = lambda right: np.bincount(labels, weights=right.astype(np.float64), minlength=k)  # noqa: E731
+    present = np.bincount(labels, minlength=k) > 0
+    small = present & (np.bincount(labels, minlength=k) < rules.min_support)
+    # The classes too small to judge alone are judged together: their images counted once more, in a
+    # pool that is the (k+1)-th row of every count below. Skipping them let a drain spread over many
+    # small classes through (10 classes x 15 images, 30% called a new class: blessed).
+    pool = np.where(small[labels], k, -1)
+    pooled_labels = np.concatenate([labels, pool[pool >= 0]])
+    twice = lambda right: np.concatenate([right, right[pool >= 0]])  # noqa: E731
+    support = np.bincount(pooled_labels, minlength=k + 1)
+    hits = lambda right: np.bincount(pooled_labels, weights=twice(right).astype(np.float64),  # noqa: E731
+                                     minlength=k + 1)
     champion_hits, challenger_hits = hits(champion_right), hits(challenger_right)
     negative, positive = hits(champion_right & ~challenger_right), hits(~champion_right & challenger_right)
     judged = support >= rules.min_support
+    judged[k] = small.any()  # the pool is judged whatever its size: too few images only weaken its test
     p = worse_p(negative, positive)
-    rejected, level = np.zeros(k, dtype=bool), np.ones(k)
+    rejected, level = np.zeros(k + 1, dtype=bool), np.ones(k + 1)
     # A class can only fail with more changed answers than max_class_drop of its images (b - c <= b + c):
     # below that it can reach no level that matters, and does not count in the correction either.
     changed = negative + positive
@@ -149,16 +190,25 @@ def class_rule(labels: np.ndarray, champion_right: np.ndarray, challenger_right:
         before, after = champion_hits / support, challenger_hits / support
     drop = before - after
     failing = rejected & (drop > rules.max_class_drop + 1e-12)
-    rows = [{"class": classes[i], "support": int(support[i]), "champion_recall": float(before[i]),
+    names = list(classes) + [pool_name(int(small.sum()), rules.min_support)]
+    shown = np.flatnonzero(support)
+    rows = [{"class": names[i], "support": int(support[i]), "champion_recall": float(before[i]),
              "challenger_recall": float(after[i]), "drop": float(drop[i]), "negative_flips": int(negative[i]),
              "positive_flips": int(positive[i]), "p_worse": float(p[i]), "level": float(level[i]),
-             "judged": bool(judged[i]), "failing": bool(failing[i])} for i in np.flatnonzero(support)]
+             "judged": bool(judged[i]), "failing": bool(failing[i])} for i in shown]
+    if small.any():
+        rows[-1]["pooled"] = [classes[i] for i in np.flatnonzero(small)]
     if like_for_like_right is not None:
         with np.errstate(invalid="ignore", divide="ignore"):
             like = hits(like_for_like_right) / support
-        for row, i in zip(rows, np.flatnonzero(support)):
+        for row, i in zip(rows, shown):
             row["challenger_recall_like_for_like"] = float(like[i])
     return sorted(rows, key=lambda r: (not r["failing"], -r["drop"], r["class"]))
+
+
+def pool_name(count: int, min_support: int) -> str:
+    """The name the pooled small classes go by in the verdict."""
+    return f"{count} class{'es' if count != 1 else ''} under {min_support} test images, pooled"
 
 
 def new_class_rule(labels: np.ndarray, challenger_pred: np.ndarray, classes: Sequence[str], new: Sequence[str],
@@ -183,7 +233,8 @@ def new_class_rule(labels: np.ndarray, challenger_pred: np.ndarray, classes: Seq
 def new_class_pulls(labels: np.ndarray, challenger_pred: np.ndarray, classes: Sequence[str], cmap: ClassMap,
                     rules: GateRules) -> list[dict[str, Any]]:
     """Per old class: its test images the challenger now calls any new class (`to`: how many each),
-    and whether their share is over `max_to_new_class` (judged on classes of `min_support`)."""
+    and whether their share is over `max_to_new_class` (judged on classes of `min_support`; the smaller
+    ones are judged pooled and overall, `new_class_share`)."""
     k = len(classes)
     new_index = np.flatnonzero(~cmap.known)
     if not len(new_index):
@@ -200,6 +251,29 @@ def new_class_pulls(labels: np.ndarray, challenger_pred: np.ndarray, classes: Se
                      "images": count, "of": of, "share": share,
                      "failing": bool(of >= rules.min_support and share > rules.max_to_new_class + 1e-12)})
     return sorted(rows, key=lambda r: (not r["failing"], -r["share"], r["from"]))
+
+
+def new_class_share(labels: np.ndarray, challenger_pred: np.ndarray, cmap: ClassMap, rules: GateRules,
+                    classes: Sequence[str]) -> dict[str, Any]:
+    """The share of the old classes' test images the challenger now calls any new class: over all of
+    them (`overall`) and over the classes under `min_support` pooled (`pooled`, judged when the pool has
+    `min_support` images), each failing over `max_to_new_class`. A drain spread thinly over many
+    classes, each too small to judge alone, is a drain all the same."""
+    old = cmap.known[labels]
+    to_new = ~cmap.known[challenger_pred] & old
+    support = np.bincount(labels, minlength=len(classes))
+    small_class = (support < rules.min_support) & cmap.known
+    small = small_class[labels]
+
+    def share(mask: np.ndarray, judged: bool) -> dict[str, Any]:
+        count, of = int(to_new[mask].sum()), int(mask.sum())
+        value = count / of if of else 0.0
+        return {"images": count, "of": of, "share": value,
+                "failing": bool(judged and of and value > rules.max_to_new_class + 1e-12)}
+
+    return {"overall": share(old, True),
+            "pooled": {**share(small, int(small.sum()) >= rules.min_support),
+                       "classes": int(small_class[np.unique(labels)].sum())}}
 
 
 def floors_reasons(metrics: Mapping[str, Any], floors: Mapping[str, float]) -> tuple[list[str], bool]:
@@ -258,7 +332,7 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     served_right = challenger_pred == labels  # an old class's image called a new class is wrong here
     paired = compare(champion_right[old], challenger_right[old], rules)
     verdict["paired"] = paired
-    verdict["served"] = compare(champion_right[old], served_right[old], rules)
+    verdict["served"] = served = compare(champion_right[old], served_right[old], rules)
     reasons.append(paired_reason(paired, rules, len(classes) - len(cmap.new), int((~old).sum())))
     if paired["outcome"] == "not-shown":
         failed = True
@@ -278,21 +352,42 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     verdict["drift"] = drifted = drift(anchor_right[on], challenger_right[on], rules, anchor_name)
     failed |= not drifted["within"]
     reasons.append(drift_reason(drifted))
+    if not drifted["decidable"]:
+        # No challenger could pass the spent bound on so few images: the loop's too_small policy decides.
+        failed |= rules.too_small == "refuse"
+        warnings.append(drift_too_small_warning(drifted, rules))
+
+    # The served answers' top-1 on the old classes, ruled on like the like-for-like one: the same
+    # margin, or the margin a small set supports. Only a new class can make the two differ.
+    served_failing = served["outcome"] == "not-shown" or (served["outcome"] == "too-small"
+                                                          and not served["within_week_margin"])
+    verdict["served_failing"] = served_failing
+    failed |= served_failing
+    if served["difference"] != paired["difference"]:
+        margin = served["week_margin"] if served["outcome"] == "too-small" else rules.margin
+        confidence = served["week_confidence"] if served["outcome"] == "too-small" else rules.confidence
+        bound = served["week_lower_bound"] if served["outcome"] == "too-small" else served["lower_bound"]
+        reasons.append(f"as served (an old class's image called a new class is wrong) top-1 on the old classes "
+                       f"{served['champion_top1']:.2%} -> {served['challenger_top1']:.2%} "
+                       f"({served['difference']:+.2%}, at worst {bound:+.2%}, {confidence:.0%} sure): "
+                       + ("NOT within" if served_failing else "within") + f" the allowed -{margin:.2%}")
 
     rows = class_rule(labels[old], champion_right[old], served_right[old], classes, rules, challenger_right[old])
     failing = [r for r in rows if r["failing"]]
     failed |= bool(failing)
     judged = sum(r["judged"] for r in rows)
     for r in failing:
-        reasons.append(f"class {r['class']!r} loses {r['drop']:.1%} of recall as served ({r['champion_recall']:.1%} -> "
+        who = f"the {r['class']}," if "pooled" in r else f"class {r['class']!r}"
+        reasons.append(f"{who} loses {r['drop']:.1%} of recall as served ({r['champion_recall']:.1%} -> "
                        f"{r['challenger_recall']:.1%} on {r['support']} images, "
                        f"{r['challenger_recall_like_for_like']:.1%} among the champion's classes; "
                        f"{r['negative_flips']} now wrong, "
                        f"{r['positive_flips']} now right; p={r['p_worse']:.2g}, below the {r['level']:.2g} the "
-                       f"correction for {judged} classes asks), more than the allowed {rules.max_class_drop:.1%}")
+                       f"correction for {judged} tests asks), more than the allowed {rules.max_class_drop:.1%}")
     if not failing:
         reasons.append(f"no class loses recall as served beyond doubt and by more than {rules.max_class_drop:.1%} "
-                       f"({judged} classes with at least {rules.min_support} test images judged, "
+                       f"({judged} tests: the classes of at least {rules.min_support} test images, and the "
+                       "smaller ones pooled, "
                        f"{rules.class_alpha:.0%} for them all)")
     verdict.update(classes_judged=judged, classes_failing=[r["class"] for r in failing],
                    worst_classes=failing + [r for r in rows if not r["failing"]][:REPORTED_CLASSES])
@@ -315,6 +410,14 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
             to = ", ".join(f"{name!r} {count}" for name, count in r["to"].items())
             reasons.append(f"{r['images']} of {r['of']} test images of {r['from']!r} ({r['share']:.1%}) are now "
                            f"called a new class ({to}): more than the allowed {rules.max_to_new_class:.0%}")
+    shares = new_class_share(labels, challenger_pred, cmap, rules, classes) if cmap.new else None
+    for what, r in (shares or {}).items():
+        if r["failing"]:
+            failed = True
+            of = ("the old classes' test images" if what == "overall" else
+                  f"the test images of the {r['classes']} old classes under {rules.min_support} images, pooled")
+            reasons.append(f"{r['images']} of {r['of']} of {of} ({r['share']:.1%}) are now called a new class: more "
+                           f"than the allowed {rules.max_to_new_class:.0%}")
     if cmap.removed:
         reasons.append(f"classes the champion knew and today's data no longer has: {', '.join(cmap.removed)}")
     unknown = sorted(set(rules.renamed) - set(cmap.renamed))
@@ -328,5 +431,6 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     # one shown within the margin but a little worse would let the anchor follow a slow slide down.
     drifted["new_anchor"] = not failed and drifted["shown_within_margin"] and drifted["difference"] >= 0
     verdict.update(new_classes=new_rows, removed_classes=cmap.removed, renamed=cmap.renamed,
-                   to_new_classes=pulls[:REPORTED_CLASSES], blessed=not failed, reasons=reasons, warnings=warnings)
+                   to_new_classes=pulls[:REPORTED_CLASSES], to_new_overall=(shares or {}).get("overall"),
+                   to_new_pooled=(shares or {}).get("pooled"), blessed=not failed, reasons=reasons, warnings=warnings)
     return verdict

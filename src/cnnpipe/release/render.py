@@ -78,7 +78,7 @@ def render(verdict: dict[str, Any]) -> str:
                   "| New anchor |",
                   "|---:|---:|---:|---:|---:|---:|---|---|",
                   f"| {drift['images']:,} | {drift['anchor_top1']:.2%} | {drift['challenger_top1']:.2%} | "
-                  f"{drift['difference']:+.2%} | {drift['lower_bound']:+.2%} ({drift['confidence']:.0%}) | "
+                  f"{drift['difference']:+.2%} | {drift['lower_bound']:+.2%} ({drift['confidence']:.2%}) | "
                   f"-{drift['budget']:.2%} | {'yes' if drift['within'] else 'NO'} | "
                   f"{'yes' if drift.get('new_anchor') else 'no'} |"]
     if verdict.get("worst_classes"):
@@ -106,6 +106,14 @@ def render(verdict: dict[str, Any]) -> str:
             to = ", ".join(f"{name} {count}" for name, count in r["to"].items())
             lines.append(f"| {_cell(r['from'])} | {_cell(to)} | {r['images']} of {r['of']} | {r['share']:.1%} | "
                          f"{'FAILS' if r['failing'] else ''} |")
+    overall, pooled = verdict.get("to_new_overall"), verdict.get("to_new_pooled")
+    if overall:
+        lines += ["", f"All the old classes' test images: {overall['images']} of {overall['of']} "
+                      f"({overall['share']:.1%}) now called a new class{' (FAILS)' if overall['failing'] else ''}"]
+        if pooled and pooled["of"]:
+            lines[-1] += (f"; the {pooled['classes']} classes too small to judge alone, pooled: {pooled['images']} of "
+                          f"{pooled['of']} ({pooled['share']:.1%}){' (FAILS)' if pooled['failing'] else ''}")
+        lines[-1] += "."
     if verdict.get("relabels"):
         lines += ["", "## Relabelled this week (bytes the split ledger knew under another label)", "",
                   "| From | To | Images | Share of the former class |", "|---|---|---:|---:|"]

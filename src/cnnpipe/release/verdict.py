@@ -151,6 +151,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
                         "too_small": cfg.too_small, "new_class_min_recall": cfg.new_class_min_recall,
                         "max_to_new_class": cfg.max_to_new_class, "renamed": dict(cfg.renamed),
                         "drift_budget": cfg.drift_budget, "drift_confidence": cfg.drift_confidence,
+                        "drift_weeks": cfg.drift_weeks, "drift_error": cfg.drift_error,
                         "max_relabel_share": cfg.max_relabel_share,
                         "floors": dict(cfg.floors), "stage": cfg.stage, "artifact": cfg.artifact}
     if delivery is not None and delivery.exists():  # the week's flags, repeated (not a reason to refuse)
