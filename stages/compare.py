@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from cnnpipe.evaluate.compare import compare, load_variant, plan_vs_actual, to_markdown
+from cnnpipe.evaluate.compare import compare, load_variant, plan_vs_actual, roofline_of, to_markdown
 from cnnpipe.evaluate.plots import write_plot_data
 
 
@@ -22,6 +22,10 @@ def main() -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
+    roofs = {v: roofline_of(json.loads((metrics / "profile" / f"{v}.json").read_text()))
+             for v in ("baseline", "optimized") if (metrics / "profile" / f"{v}.json").exists()}
+    if roofs:
+        result["roofline"] = roofs
     plan_path = metrics / "plan" / "plan.json"
     if plan_path.exists():
         result["plan"] = plan_vs_actual(json.loads(plan_path.read_text()), base, opt)

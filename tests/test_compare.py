@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cnnpipe.evaluate.compare import paired_significance, speed_spread
+from cnnpipe.evaluate.compare import limit_sentence, paired_significance, roofline_of, speed_spread
 from cnnpipe.evaluate.evaluation import split_warnings
 from cnnpipe.evaluate.stats import mcnemar_exact, median_iqr, ratio_range, wilson_interval
 from conftest import ROOT
@@ -217,3 +217,17 @@ def test_every_stage_is_set_beside_its_prediction_with_the_training_share():
     assert rows["profile@optimized"] == {"predicted_s": None, "actual_s": 100.0, "ratio": None}
     assert result["measured_total_s"] == pytest.approx(50 + 100 + 330 + 36 + 66 + 225 + 30)
     assert result["training_share"] == pytest.approx((330 + 225) / result["measured_total_s"])
+
+
+def test_the_speed_claim_says_what_share_of_the_machines_limit_each_recipe_reached():
+    """Beside the ratio, each recipe's step against the bf16 matmul rate its profile measured (and, for
+    a recipe that trains in fp32, against that rate too); none without both profiles' rooflines."""
+    def profile(math: str, share: float, gflops: float) -> dict:
+        return {"roofline": {"math": math, "math_share": share * 2, "bf16_share": share, "achieved_gflops": gflops,
+                             "peaks": {"bf16_gflops": 400.0, "fp32_gflops": 200.0}}}
+
+    roof = {"baseline": roofline_of(profile("fp32", 0.23, 92.0)), "optimized": roofline_of(profile("bf16", 0.43, 172.0))}
+    said = limit_sentence({"roofline": roof})
+    assert "baseline 23% (92 GFLOP/s, 46% of its fp32 rate)" in said and "optimized 43% (172 GFLOP/s)" in said
+    assert "(400 GFLOP/s)" in said
+    assert limit_sentence({"roofline": {"baseline": roof["baseline"]}}) is None and roofline_of({}) is None

@@ -182,6 +182,35 @@ def speed_sentence(result: dict[str, Any]) -> str:
     return text + f"; epochs {result['speedup_epoch_time']:.2f}x shorter."
 
 
+def roofline_of(profile: dict[str, Any]) -> dict[str, Any] | None:
+    """What a profile's roofline says of its recipe's step (`cnnpipe.profile.roofline`): the math it
+    trains in, the share of that rate and of the bf16 rate it reached, at what GFLOP/s; None without one."""
+    roof = profile.get("roofline")
+    if not roof or roof.get("bf16_share") is None:
+        return None
+    return {k: roof.get(k) for k in ("math", "math_share", "bf16_share", "achieved_gflops")} | {
+        "bf16_peak_gflops": (roof.get("peaks") or {}).get("bf16_gflops")}
+
+
+def limit_sentence(result: dict[str, Any]) -> str | None:
+    """Beside the speed ratio, how far each recipe's step is from this machine's limit (the profiles'
+    roofline: its own measured bf16 matmul rate), or None when a profile has none."""
+    roof = result.get("roofline") or {}
+    if not (roof.get("baseline") and roof.get("optimized")):
+        return None
+
+    def part(name: str) -> str:
+        r = roof[name]
+        math = {"off": "fp32", "fp16": "fp16"}.get(r["math"], r["math"])
+        extra = "" if math == "bf16" else f", {r['math_share']:.0%} of its {math} rate"
+        return f"{name} {r['bf16_share']:.0%} ({r['achieved_gflops']:.0f} GFLOP/s{extra})"
+
+    peak = roof["optimized"].get("bf16_peak_gflops")
+    return (f"Share of this machine's limit: the profiled step reached {part('baseline')} and {part('optimized')} "
+            f"of the bf16 matmul rate the profile measured" + (f" ({peak:.0f} GFLOP/s)" if peak else "")
+            + "; metrics/profile/report.md names the ops that spend the rest.")
+
+
 def _cell(fmt: str, row: dict[str, Any], name: str) -> str:
     value, ci = _fmt(fmt, row[name]), row.get(f"{name}_ci95")
     return f"{value} ({fmt.format(ci[0])}-{fmt.format(ci[1])})" if ci and row[name] is not None else value
@@ -190,8 +219,9 @@ def _cell(fmt: str, row: dict[str, Any], name: str) -> str:
 def to_markdown(result: dict[str, Any]) -> str:
     """The same numbers as compare.json, as a Markdown table."""
     starts = start_sentence(result)
+    limit = limit_sentence(result)
     lines = ["# Baseline vs optimized", "", accuracy_sentence(result), "", *([starts, ""] if starts else []),
-             speed_sentence(result), ""]
+             speed_sentence(result), "", *([limit, ""] if limit else [])]
     lines += [f"> **Warning:** {w}" for w in result.get("warnings", [])]
     if result.get("warnings"):
         lines.append("")
