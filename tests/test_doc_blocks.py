@@ -112,3 +112,14 @@ def test_copies_of_a_run_block_hold_its_commands():
     [tensorboard] = [c for c in commands(blocks[("README.md", "## Everyday use", "console", 0)])
                      if c.startswith("tensorboard")]
     assert commands(blocks[("docs/profiling.md", "# Profiling", "bash", 0)]) == [tensorboard]
+
+
+def test_the_clone_tiers_overrides_are_each_listed_with_why():
+    """docs/testing.md's table names every `-S` override the clone tier appends to the README's command,
+    and nothing else, each with a reason."""
+    from test_user_commands import TINY
+
+    text = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([\w.]+)` \| (.+?) \| (.+?) \|$", text, flags=re.MULTILINE)
+    assert {key for key, _, _ in rows} == {flag.split("=", 1)[0] for flag in TINY}
+    assert all(len(why.split()) >= 3 and kind in ("time", "environment", "*to go*") for _, why, kind in rows)
