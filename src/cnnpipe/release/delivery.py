@@ -105,6 +105,13 @@ def new_to_champion(prepared_dir: Path, splits: list[str], meta: dict[str, Any])
     return {s: new_rows(prepared_dir, s) for s in splits}, "the previous store (the champion predates arrival marks)"
 
 
+def _held_files(prepared_dir: Path, split: str, rows: np.ndarray, classes: list[str]) -> list[dict[str, Any]]:
+    """The list rows (status `held`) of `rows` of `split`: held from an earlier check, not flagged by this one."""
+    labels = np.load(Path(prepared_dir) / f"{split}_labels.npy", mmap_mode="r")[rows].tolist()
+    return [{**src, "split": split, "given": classes[label], "predicted": "", "confidence": "", "held_out": True,
+             "status": "held"} for src, label in zip(_sources(prepared_dir, split, rows), labels)]
+
+
 def carried_holds(prepared_dir: Path, splits: list[str], classes: list[str],
                   flagged: set[tuple[str, int]]) -> list[dict[str, Any]]:
     """The photos the ledger still holds (the store's `<split>_held.npy`) that this check did not flag
@@ -115,19 +122,16 @@ def carried_holds(prepared_dir: Path, splits: list[str], classes: list[str],
         rows = np.array([r for r in np.flatnonzero(held) if (split, int(r)) not in flagged] if held is not None else [],
                         np.int64)
         if len(rows):
-            labels = np.load(Path(prepared_dir) / f"{split}_labels.npy", mmap_mode="r")[rows]
-            files += [{**src, "split": split, "given": classes[label], "predicted": "", "confidence": "",
-                       "held_out": True, "status": "held"}
-                      for src, label in zip(_sources(prepared_dir, split, rows), labels.tolist())]
+            files += _held_files(prepared_dir, split, rows, classes)
     return files
 
 
-def listed_before(prepared_dir: Path, splits: list[str], classes: list[str], previous: dict[str, str],
-                  skip: set[tuple[str, int]]) -> list[dict[str, Any]]:
+def listed_before(prepared_dir: Path, splits: list[str], classes: list[str],
+                  previous: dict[str, str]) -> list[dict[str, Any]]:
     """The photos the last check of this same store held (`previous`: sha256 -> the label held under)
-    that are still filed under that label, less the `skip` rows (listed already): held again. A rerun
-    of the check alone (another champion after a promote or a rollback, a `dvc repro delivery`) no
-    longer finds them new, and without this their hold would end before any prepare recorded it."""
+    that are still filed under that label: held again. A rerun of the check alone (another champion
+    after a promote or a rollback, a `dvc repro delivery`) no longer finds them new, and without this
+    their hold would end before any prepare recorded it."""
     if not previous:
         return []
     wanted = np.frombuffer(b"".join(bytes.fromhex(h) for h in previous), dtype="S32")
@@ -137,11 +141,10 @@ def listed_before(prepared_dir: Path, splits: list[str], classes: list[str], pre
         if keys is None:
             continue
         labels = np.load(Path(prepared_dir) / f"{split}_labels.npy", mmap_mode="r")
-        rows = [r for r in np.flatnonzero(among(keys["sha256"], wanted)).tolist() if (split, r) not in skip
-                and previous[keys["sha256"][r : r + 1].tobytes().hex()] == classes[int(labels[r])]]
-        files += [{**src, "split": split, "given": classes[int(labels[r])], "predicted": "", "confidence": "",
-                   "held_out": True, "status": "held"}
-                  for src, r in zip(_sources(prepared_dir, split, np.array(rows, np.int64)), rows)]
+        rows = [r for r in np.flatnonzero(among(keys["sha256"], wanted)).tolist()
+                if previous[keys["sha256"][r : r + 1].tobytes().hex()] == classes[int(labels[r])]]
+        if rows:
+            files += _held_files(prepared_dir, split, np.array(rows, np.int64), classes)
     return files
 
 
@@ -164,7 +167,7 @@ def check_delivery(prepared_dir: Path, champion_dir: Path, cfg: ReleaseConfig, d
     splits = [s for s in SPLITS if s in index["splits"]]
     files += carried_holds(prepared_dir, splits, list(index["classes"]), flagged)
     listed = {f["sha256"] for f in files}
-    files += [f for f in listed_before(prepared_dir, splits, list(index["classes"]), previous or {}, set())
+    files += [f for f in listed_before(prepared_dir, splits, list(index["classes"]), previous or {})
               if f["sha256"] not in listed and f["sha256"] not in done]
     status = Counter(f["status"] for f in files)
     report.update(held_from_earlier_weeks=status["held"], cleared=status["cleared"],

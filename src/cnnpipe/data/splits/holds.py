@@ -27,8 +27,8 @@ from cnnpipe.data.sources.entries import DataError
 from cnnpipe.data.splits.held_out import read_cleared as cleared_digests, sha256_column
 from cnnpipe.data.store.keys import find_sorted
 from cnnpipe.data.splits.ledger import HOLD, Ledger
-from cnnpipe.data.splits.lineage import dvc_remotes
-from cnnpipe.data.store.previous import cached_file, dvc_root, locked_stages, project_path
+from cnnpipe.data.splits.lineage import pull_advice
+from cnnpipe.data.store.previous import cached_file, dvc_root, locked_stage_of, project_path
 from cnnpipe.data.store.meta import in_folder, split_keys
 from cnnpipe.data.store.shards import SPLITS
 from cnnpipe.files import write_json
@@ -99,7 +99,8 @@ def mark_store(store: Path, ledger: Ledger, held: np.ndarray, generation: int,
     sees it as new, since a label is what a delivery brings; a class renamed on purpose (`renamed`,
     old name -> new: `release.renamed`) relabels nothing. Returns the counts for the data report."""
     counts: dict[str, Any] = {"generation": generation, "held": {}, "once_trained_on": {}, "relabelled": {}}
-    classes = json.loads((store / "index.json").read_text(encoding="utf-8"))["classes"]
+    index = json.loads((store / "index.json").read_text(encoding="utf-8"))
+    classes = index["classes"]
     for split in SPLITS:
         keys = split_keys(in_folder(store), split)
         if keys is None:
@@ -118,7 +119,6 @@ def mark_store(store: Path, ledger: Ledger, held: np.ndarray, generation: int,
         counts["relabelled"][split] = int(relabelled.sum())
         if split != "train":
             counts["once_trained_on"][split] = int(trained.sum())
-    index = json.loads((store / "index.json").read_text(encoding="utf-8"))
     write_json(store / "index.json", {**index, "generation": generation})
     return counts
 
@@ -151,9 +151,7 @@ def last_list(path: Path | None, store: Path, recheck: bool = True) -> tuple[Pat
     if root is None:
         return (path if path.exists() else None), None
     rel, store_rel = project_path(root, path), project_path(root, store)
-    stages = locked_stages(root).values()
-    checker = next((st for st in stages if any(o.get("path") == rel for o in st.get("outs", []))), None)
-    writer = next((st for st in stages if any(o.get("path") == store_rel for o in st.get("outs", []))), None)
+    checker, writer = locked_stage_of(root, rel), locked_stage_of(root, store_rel)
     if checker is None:
         return (path if path.exists() else None), None
     checked = next((d.get("md5") for d in checker.get("deps", []) if d.get("path") == store_rel), None)
@@ -170,12 +168,7 @@ def last_list(path: Path | None, store: Path, recheck: bool = True) -> tuple[Pat
     cached = cached_file(root, out)
     if cached.is_file():
         return cached, None
-    remotes, default = dvc_remotes(root)
-    if not remotes:
-        fetch = (f"No DVC remote is configured here to pull it from: add the one that holds it (`dvc remote add -d "
-                 f"storage URL`), then `dvc pull {rel}`")
-    else:
-        fetch = f"Fetch it: `dvc pull {'' if default else f'-r {remotes[0]} '}{rel}`"
+    fetch = pull_advice(root, rel)
     again = "; or check that store again, which is back in place (`dvc repro -s delivery`); then rerun prepare" \
         if recheck else ", then rerun"
     raise DataError(f"dvc.lock records the delivery list {rel} (md5 {out['md5'][:12]}...), the check of the store the "

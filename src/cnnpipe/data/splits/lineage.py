@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from cnnpipe.data.store.previous import Found, dvc_root
+from cnnpipe.data.store.previous import Found, dvc_root, locked_stage_of, project_path
 from cnnpipe.files import file_md5
 
 SKETCH_SIZE = 256
@@ -69,16 +68,6 @@ class Recorded:
     root: Path
 
 
-def _lock_stage(root: Path, out_rel: str) -> dict[str, Any]:
-    """The `dvc.lock` entry of the stage that writes `out_rel` ({} when none)."""
-    lock = root / "dvc.lock"
-    stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages", {}) if lock.exists() else {}
-    for stage in stages.values():
-        if any(out.get("path") == out_rel for out in stage.get("outs", [])):
-            return stage
-    return {}
-
-
 def recorded_catalog(folder: Path, report: Path) -> Recorded | None:
     """What `dvc.lock` recorded for the prepare that wrote `folder` (its `data.source`, its
     `data.split_reset`) and what that run's data report `report` says of the ledger (its catalog
@@ -86,13 +75,12 @@ def recorded_catalog(folder: Path, report: Path) -> Recorded | None:
     root = dvc_root(folder)
     if root is None:
         return None
-    rel = Path(os.path.relpath(os.path.abspath(folder), root)).as_posix()
-    stage = _lock_stage(root, rel)
+    stage = locked_stage_of(root, project_path(root, folder)) or {}
     params = {k: v for values in (stage.get("params") or {}).values() for k, v in (values or {}).items()}
     resets = {params["data.split_reset"]} if params.get("data.split_reset") else set()
     identity = {"kind": _kind(str(params["data.source"])), "source": str(params["data.source"])} \
         if params.get("data.source") else None
-    report_rel = Path(os.path.relpath(os.path.abspath(report), root)).as_posix()
+    report_rel = project_path(root, report)
     locked = next((out for out in stage.get("outs", []) if out.get("path") == report_rel), None)
     if locked and Path(report).is_file() and locked.get("md5") == file_md5(Path(report)):
         ledger = (json.loads(Path(report).read_text(encoding="utf-8")) or {}).get("ledger") or {}
@@ -145,18 +133,23 @@ def dvc_remotes(root: Path) -> tuple[list[str], str | None]:
     return sorted(config.get("remote", {})), config.get("core", {}).get("remote")
 
 
-def missing_history(found: Found, folder: Path, what: str, root: Path | None, leftover: str | None) -> str:
-    """The refusal for a recorded `what` (the split ledger, a store) that cannot be read here, with advice
-    that works where the user is: a DVC remote to add first when none is configured."""
+def pull_advice(root: Path | None, target: Path | str, aside: str = "") -> str:
+    """How to fetch a recorded output `target` from where the user is: the DVC remote to add first when
+    none is configured, the one to name when none is the default (`aside`: a last word in brackets)."""
     remotes, default = dvc_remotes(root) if root is not None else ([], None)
     if not remotes:
-        fetch = ("No DVC remote is configured here, so `dvc pull` has nowhere to fetch it from: add the one that "
-                 f"holds it (`dvc remote add -d storage URL`), then `dvc pull {folder}`")
-    elif default is None:
-        fetch = f"Fetch it first: `dvc pull -r {remotes[0]} {folder}` (no default remote is set; configured: " \
-                f"{', '.join(remotes)})"
-    else:
-        fetch = f"Fetch it first: `dvc pull {folder}` (from DVC remote {default!r}; the store is not needed)"
+        return ("No DVC remote is configured here, so `dvc pull` has nowhere to fetch it from: add the one that "
+                f"holds it (`dvc remote add -d storage URL`), then `dvc pull {target}`")
+    if default is None:
+        return (f"Fetch it first: `dvc pull -r {remotes[0]} {target}` (no default remote is set; configured: "
+                f"{', '.join(remotes)})")
+    return f"Fetch it first: `dvc pull {target}` (from DVC remote {default!r}{aside})"
+
+
+def missing_history(found: Found, folder: Path, what: str, root: Path | None, leftover: str | None) -> str:
+    """The refusal for a recorded `what` (the split ledger, a store) that cannot be read here, with advice
+    that works where the user is (`pull_advice`)."""
+    fetch = pull_advice(root, folder, "; the store is not needed")
     again = (f" (data.split_reset={leftover!r} is the name of a redraw already recorded: it redraws nothing)"
              if leftover else "")
     # No reset is offered: a new ledger would forget which photos were ever held out, trained on or held

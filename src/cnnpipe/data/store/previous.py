@@ -91,6 +91,12 @@ def locked_stages(root: Path) -> dict[str, dict[str, Any]]:
     return (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages", {}) or {}
 
 
+def locked_stage_of(root: Path, out_rel: str) -> dict[str, Any] | None:
+    """The `dvc.lock` entry of the stage that writes `out_rel` (a project-relative path), or None."""
+    return next((stage for stage in locked_stages(root).values()
+                 if any(out.get("path") == out_rel for out in stage.get("outs", []))), None)
+
+
 def _locked_outs(root: Path) -> dict[str, dict[str, Any]]:
     """Every output `dvc.lock` records, by path relative to the project."""
     return {out["path"]: out for stage in locked_stages(root).values() for out in stage.get("outs", [])
@@ -138,7 +144,7 @@ def find_previous(folder: Path) -> Found:
     root = dvc_root(folder)
     if root is None:
         return Found(None)
-    rel = Path(os.path.relpath(os.path.abspath(folder), root)).as_posix()
+    rel = project_path(root, folder)
     out = _locked_outs(root).get(rel)
     if out is None or not str(out.get("md5", "")).endswith(".dir"):
         return Found(None)
