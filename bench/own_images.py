@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -53,10 +54,29 @@ def make_photos(out: Path, classes: int, per_class: int, seed: int = 0) -> None:
             img.save(folder / f"p{i:05d}.jpg", quality=90)
 
 
-def run(cmd: list[str], cwd: Path) -> float:
+HOOKS = Path(__file__).resolve().parents[1] / "tests" / "child_hooks"
+"""The suite's stage-timing hook: each stage's command logs its start and end (CNNPIPE_STAGE_LOG)."""
+
+
+def run(cmd: list[str], cwd: Path, stage_log: Path) -> float:
+    """`cmd`'s wall seconds; every DVC stage it runs logs its start and end to `stage_log`."""
+    env = {**os.environ, "CNNPIPE_STAGE_LOG": str(stage_log),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(HOOKS), os.environ.get("PYTHONPATH")]))}
     t0 = time.monotonic()
-    subprocess.run(cmd, cwd=cwd, check=True)
+    subprocess.run(cmd, cwd=cwd, check=True, env=env)
     return time.monotonic() - t0
+
+
+def stage_seconds(stage_log: Path) -> dict[str, float]:
+    """Each stage's command, start to end (what the plan predicts; DVC's own work is the rest)."""
+    starts, spans = {}, {}
+    for line in stage_log.read_text().splitlines():
+        record = json.loads(line)
+        if record["event"] == "start":
+            starts[record["stage"]] = record["t"]
+        elif record["stage"] in starts:
+            spans[record["stage"]] = record["t"] - starts[record["stage"]]
+    return spans
 
 
 def main() -> int:
@@ -83,8 +103,9 @@ def main() -> int:
         subprocess.run(["git", "add", "-A"], cwd=project, check=True)
         subprocess.run(["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm",
                         "own images"], cwd=project, check=True)
-        wall = run(["dvc", "repro", args.until], project)
+        wall = run(["dvc", "repro", args.until], project, work / "stages.jsonl")
         out = report(project, args, wall)
+        out["stages"] = against_plan(project, stage_seconds(work / "stages.jsonl"), wall, args.budget * 60)
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -123,6 +144,23 @@ def report(project: Path, args: argparse.Namespace, wall: float) -> dict:
     print(f"  plan: {plan['fraction']:.4g} of {plan['train_images']} images per epoch "
           f"({plan['images_per_epoch']}), {'fits' if plan['fits'] else 'OVER budget'}: {plan['reason']}")
     return out
+
+
+def against_plan(project: Path, measured: dict[str, float], wall: float, budget_s: float) -> dict:
+    """Print each stage's measured seconds beside the plan's prediction, DVC's own share and the whole run
+    against the budget; return them."""
+    plan = json.loads((project / "metrics" / "plan" / "plan.json").read_text())
+    predicted = {**plan.get("profile_s", {}), **plan.get("spent_s", {}), **plan["predicted_s"]}
+    print(f"  {'stage':24} {'measured':>9} {'predicted':>10} {'ratio':>6}")
+    for stage, seconds in measured.items():
+        guess = predicted.get(stage)
+        ratio = f"{seconds / guess:5.2f}x" if guess else "   -"
+        print(f"  {stage:24} {seconds:8.0f}s {guess or 0:9.0f}s {ratio}")
+    stages = sum(measured.values())
+    print(f"  stages {stages:.0f} s; DVC's own work {wall - stages:.0f} s; whole `dvc repro` {wall:.0f} s = "
+          f"{wall / budget_s:.2f}x the budget ({plan['predicted_total_s']:.0f} s predicted)")
+    return {"measured_s": measured, "predicted_s": predicted, "dvc_own_s": wall - stages, "wall_s": wall,
+            "budget_ratio": wall / budget_s}
 
 
 if __name__ == "__main__":

@@ -12,8 +12,15 @@ from cnnpipe.data.store.shards import read_index
 from cnnpipe.files import write_json, write_text
 from cnnpipe.hardware import cpu_report
 from cnnpipe.params import ParamsError, load_params, resolve, run_config
-from cnnpipe.plan.plan import budget_values, make_plan, recipe_from_profile, to_text
+from cnnpipe.plan.plan import budget_values, make_plan, recipe_from_profile
+from cnnpipe.plan.text import to_text
 from cnnpipe.train.budget import read_budget
+
+
+def prepare_seconds(report: Path) -> dict[str, float]:
+    """{"prepare": seconds} as prepare's report measured them ({} from a report that predates it)."""
+    seconds = json.loads(report.read_text()).get("stage_time_s") if report.exists() else None
+    return {"prepare": float(seconds)} if seconds is not None else {}
 
 
 def main() -> int:
@@ -22,6 +29,8 @@ def main() -> int:
     parser.add_argument("--data", default="data/prepared")
     parser.add_argument("--profiles", default="metrics/profile", help="holds <variant>.json from the profile stages")
     parser.add_argument("--out", default="metrics/plan", help="plan.json, plan.md and budget.yaml go here")
+    parser.add_argument("--data-report", default="metrics/data_report.json",
+                        help="prepare's report: the seconds it took count in the budget")
     args = parser.parse_args()
     out = Path(args.out)
     try:
@@ -39,7 +48,7 @@ def main() -> int:
         previous = read_budget(out / "budget.yaml")  # its choice is kept while it still fits (hysteresis)
         plan = make_plan(recipes, splits["train"]["count"], splits["val"]["count"], splits["test"]["count"],
                          budget.budget_minutes, requested_images=min((r for r in requested if r), default=None),
-                         previous=previous)
+                         previous=previous, spent=prepare_seconds(Path(args.data_report)))
     except (ParamsError, FileNotFoundError, ValueError) as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return 2

@@ -203,7 +203,7 @@ def test_every_stage_is_set_beside_its_prediction_with_the_training_share():
     from cnnpipe.evaluate.compare import plan_vs_actual
 
     plan = {"budget_minutes": 20, "images_per_epoch": 3328, "fraction": 1 / 16, "predicted_total_s": 1000.0,
-            "profile_s": {"profile@baseline": 50.0, "profile@optimized": 100.0},
+            "spent_s": {"prepare": 20.0}, "profile_s": {"profile@baseline": 50.0, "profile@optimized": 100.0},
             "predicted_s": {"train@baseline": 300.0, "train@optimized": 250.0, "evaluate@baseline": 40.0,
                             "evaluate@optimized": 30.0, "export@baseline": 60.0, "export@optimized": 50.0}}
 
@@ -215,8 +215,12 @@ def test_every_stage_is_set_beside_its_prediction_with_the_training_share():
     rows = result["stages"]
     assert rows["train@baseline"]["ratio"] == pytest.approx(1.1) and rows["export@optimized"]["ratio"] is None
     assert rows["profile@optimized"] == {"predicted_s": None, "actual_s": 100.0, "ratio": None}
-    assert result["measured_total_s"] == pytest.approx(50 + 100 + 330 + 36 + 66 + 225 + 30)
+    assert rows["prepare"] == {"predicted_s": None, "actual_s": 20.0, "ratio": None}  # measured before the plan
+    assert result["measured_total_s"] == pytest.approx(20 + 50 + 100 + 330 + 36 + 66 + 225 + 30)
     assert result["training_share"] == pytest.approx((330 + 225) / result["measured_total_s"])
+    # the same rows' prediction (measured ones as measured; export@optimized has no actual), beside the whole run's
+    assert result["predicted_rows_s"] == pytest.approx(20 + 50 + 100 + 300 + 250 + 40 + 30 + 60 + 50)
+    assert result["predicted_total_s"] == 1000.0
 
 
 def test_the_speed_claim_says_what_share_of_the_machines_limit_each_recipe_reached():

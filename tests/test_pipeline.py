@@ -63,6 +63,9 @@ def test_repro_produces_every_output_and_metric(reproduced):
     plan = json.loads((project / "metrics" / "plan" / "plan.json").read_text())
     assert plan["fraction"] == 1.0  # a tiny run trains in seconds
     assert plan["fits"] == (plan["predicted_total_s"] <= 20 * 60 * KEEP_BAND[1])
+    # prepare's own seconds, as its report measured them, count in the budget
+    prepared = json.loads((project / "metrics" / "data_report.json").read_text())["stage_time_s"]
+    assert plan["spent_s"] == {"prepare": prepared} and prepared > 0
     assert yaml.safe_load((project / "metrics" / "plan" / "budget.yaml").read_text()) == {
         "fraction": 1.0, "images_per_epoch": None, "val_images": None, "parity_images": None}
     assert (project / "metrics" / "profile" / "report.md").exists()

@@ -11,9 +11,14 @@ from cnnpipe import hardware
 from cnnpipe.data.loaders.sampling import ShardSampler
 from cnnpipe.params import ParamsError, load_params, resolve, run_config
 from cnnpipe.plan.plan import (
+    CHECKPOINT_SHARE,
+    DVC_STAGE_S,
     KEEP_BAND,
     LADDER,
+    LAST_AND_BEST,
+    OTHER_STAGES,
     PARITY_UNDER_BUDGET,
+    STARTUP_S,
     VAL_UNDER_BUDGET,
     Recipe,
     at_epochs,
@@ -22,8 +27,9 @@ from cnnpipe.plan.plan import (
     predict_total,
     recipe_from_profile,
     stage_seconds,
-    to_text,
 )
+from cnnpipe.plan.text import to_text
+from cnnpipe.train import pacing
 from cnnpipe.train.budget import apply_budget
 from cnnpipe.train.schedule import MIN_BATCH, batch_for_steps, steps_per_run
 from conftest import ROOT, tiny_params, write_params
@@ -65,10 +71,42 @@ def test_the_prediction_adds_up_stage_by_stage():
     images, stages, total = predict_total(recipes(), 0.5, N_TRAIN, N_VAL, N_TEST)
     assert images == 26_880  # 0.5 * 54,000 = 27,000 → 105 whole batches of 256
     assert set(stages) == {"train@baseline", "train@optimized", "evaluate@baseline", "evaluate@optimized",
-                           "export@baseline", "export@optimized", "compare"}
+                           "export@baseline", "export@optimized", "compare", "other stages", "DVC's own work"}
     assert total == pytest.approx(sum(stages.values()) + 35 + 63)
     train_only = 4 * images / 300
     assert stages["train@baseline"] > train_only  # validation and start-up are on top
+    # the six other stages at a start-up each, DVC's work for every stage the run has (16)
+    assert stages["other stages"] == pytest.approx(len(OTHER_STAGES) * STARTUP_S)
+    assert stages["DVC's own work"] == pytest.approx(16 * DVC_STAGE_S)
+    # what ran before the plan (prepare, measured) counts whole
+    assert predict_total(recipes(), 0.5, N_TRAIN, N_VAL, N_TEST, spent_s=42.0)[2] == pytest.approx(total + 42)
+
+
+def test_training_pays_its_warm_up_checkpoints_and_calibration():
+    """A train stage is its epochs plus: the first step's warm-up, last.pt writes as paced (at most
+    train/pacing.py's share of training) with the final last.pt and best.pt, and the temperature fit
+    over the whole validation split."""
+    assert CHECKPOINT_SHARE == pacing.CHECKPOINT_SHARE
+    plain = Recipe("optimized", 10, 256, 400.0, 2000.0, 60.0, startup_s=5.0)
+    images = 25_600
+    base = stage_seconds(plain, images, 1000, 10_000, 10_000)["train@optimized"]
+    assert base == pytest.approx(10 * (images / 400 + 1000 / 2000) + 5.0)
+    fast_disk = replace(plain, warmup_s=3.0, checkpoint_s=1.0)
+    got = stage_seconds(fast_disk, images, 1000, 10_000, 10_000, n_calibration=6000)["train@optimized"]
+    assert got == pytest.approx(base + 3.0 + 9 * 1.0 + LAST_AND_BEST * 1.0 + 6000 / 2000)
+    slow_disk = replace(plain, checkpoint_s=100.0)  # pacing skips writes beyond its share
+    epochs_s = 10 * (images / 400 + 1000 / 2000)
+    got = stage_seconds(slow_disk, images, 1000, 10_000, 10_000)["train@optimized"]
+    assert got == pytest.approx(base + CHECKPOINT_SHARE * epochs_s + LAST_AND_BEST * 100.0)
+
+
+def test_the_plan_counts_prepare_and_says_so():
+    plan = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=60, spent={"prepare": 30.0})
+    without = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=60)
+    assert plan["spent_s"] == {"prepare": 30.0}
+    assert plan["predicted_total_s"] == pytest.approx(without["predicted_total_s"] + 30.0)
+    assert re.search(r"\| prepare \| 0\.5 min \(measured\) \|", to_text(plan))
+    assert "| DVC's own work |" in to_text(plan)
 
 
 def test_the_zen3_profile_fits_the_default_budget():
@@ -78,9 +116,9 @@ def test_the_zen3_profile_fits_the_default_budget():
             Recipe("optimized", 4, 256, 125.3, 506.7, 346.1, batch_size=256, min_steps=300,
                    smaller_batch_speed={128: 0.877, 64: 0.817})]
     plan = make_plan(zen3, N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
-    # Validation and the export check on 1,000 images each, and the start-ups as measured, leave room
-    # for three times the training images that the whole-split checks left (1/32 then).
-    assert plan["fits"] and plan["fraction"] == 3 / 32 and plan["images_per_epoch"] == 4864
+    # Validation and the export check on 1,000 images each, the start-ups as measured, the other stages
+    # and DVC's own work counted: twice the training images that the whole-split checks left (1/32 then).
+    assert plan["fits"] and plan["fraction"] == 1 / 16 and plan["images_per_epoch"] == 3328
     assert plan["batch"] == {"baseline": 64, "optimized": 64}  # 304 steps at 64
     assert plan["predicted_total_unbudgeted_s"] > 90 * 60  # issue 9: 102 min without a budget
 
@@ -272,7 +310,7 @@ def test_auto_gives_a_small_catalog_its_budget_s_worth_of_epochs(ceiling):
     assert plan["fraction"] == 1.0 and plan["images_per_epoch"] == 212 and plan["fits"]
     assert plan["predicted_total_s"] <= 20 * 60
     four = make_plan([replace(r, auto_epochs=None) for r in photo_recipes()], *SMALL, budget_minutes=20)
-    assert four["epochs"] == {"baseline": 4, "optimized": 4} and four["predicted_total_s"] < 5 * 60
+    assert four["epochs"] == {"baseline": 4, "optimized": 4} and four["predicted_total_s"] < 6 * 60
     assert plan["predicted_s"]["train@optimized"] > 10 * four["predicted_s"]["train@optimized"]
     if epochs < ceiling:  # the budget binds: one more epoch would not fit
         assert predict_total(at_epochs(photo_recipes((4, ceiling)), epochs + 1), 1.0, *SMALL)[2] > 20 * 60
@@ -305,7 +343,7 @@ def test_auto_on_the_zen3_profile_picks_the_floor_and_the_same_fraction():
             Recipe("optimized", 4, 256, 125.3, 506.7, 346.1, batch_size=256, min_steps=300,
                    smaller_batch_speed={128: 0.877, 64: 0.817}, auto_epochs=(4, 100))]
     plan = make_plan(zen3, N_TRAIN, N_VAL, N_TEST, budget_minutes=20)
-    assert plan["epochs_auto"] == 4 and plan["fraction"] == 3 / 32 and plan["images_per_epoch"] == 4864
+    assert plan["epochs_auto"] == 4 and plan["fraction"] == 1 / 16 and plan["images_per_epoch"] == 3328
     assert plan["fits"] and plan["batch"] == {"baseline": 64, "optimized": 64}
 
 

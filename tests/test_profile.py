@@ -180,6 +180,10 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
     result = profile_variant(config(tmp_path), DistInfo(), prepared, tmp_path / "logs" / "optimized", True)
     assert sum(result["fractions"].values()) == pytest.approx(1.0)
     assert result["inference_img_s"] > 0 and result["throughput_img_s"] > 0
+    # what a train stage pays beyond its steady steps, for the plan: a checkpoint write (its probe file
+    # gone after) and the first step's warm-up
+    assert result["checkpoint_s"] > 0 and result["warmup_s"] >= 0
+    assert not list((tmp_path / "logs" / "optimized").glob(".checkpoint_probe*"))
     traces = list((tmp_path / "logs" / "optimized").glob("*.pt.trace.json"))
     assert len(traces) == 1 and traces[0].name.startswith("optimized_rank0")
     events = json.loads(traces[0].read_text())["traceEvents"]

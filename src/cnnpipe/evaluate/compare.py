@@ -127,8 +127,8 @@ def start_sentence(result: dict[str, Any]) -> str | None:
 def plan_vs_actual(plan: dict[str, Any], base: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
     """Each stage's predicted time next to what it measured (`stage_time_s`: process start to end),
     and the share of the measured time that went into training."""
-    rows = {name: {"predicted_s": None, "actual_s": seconds, "ratio": None}
-            for name, seconds in plan.get("profile_s", {}).items()}  # measured before the plan: no prediction
+    measured_before = {**plan.get("spent_s", {}), **plan.get("profile_s", {})}  # before the plan: no prediction
+    rows = {name: {"predicted_s": None, "actual_s": seconds, "ratio": None} for name, seconds in measured_before.items()}
     for variant, result in (("baseline", base), ("optimized", opt)):
         train = result["train"]
         measured = {"train": train.get("stage_time_s", train.get("wall_time_s")),
@@ -140,10 +140,13 @@ def plan_vs_actual(plan: dict[str, Any], base: dict[str, Any], opt: dict[str, An
                                          "ratio": actual / predicted if predicted and actual else None}
     timed = [r["actual_s"] for r in rows.values() if r["actual_s"]]
     training = sum(r["actual_s"] or 0.0 for name, r in rows.items() if name.startswith("train@"))
+    # the same stages' prediction (the measured ones as measured), and the rest of the whole run's
+    predicted_rows = sum(r["predicted_s"] if r["predicted_s"] is not None else r["actual_s"] or 0.0
+                         for r in rows.values())
     return {"budget_minutes": plan["budget_minutes"], "images_per_epoch": plan["images_per_epoch"],
             "fraction": plan["fraction"], "predicted_total_s": plan["predicted_total_s"],
-            "measured_total_s": sum(timed), "training_share": training / sum(timed) if timed else None,
-            "stages": rows}
+            "predicted_rows_s": predicted_rows, "measured_total_s": sum(timed),
+            "training_share": training / sum(timed) if timed else None, "stages": rows}
 
 
 def _fmt(fmt: str, value: Any) -> str:
@@ -242,14 +245,16 @@ def to_markdown(result: dict[str, Any]) -> str:
     if result.get("plan"):
         plan = result["plan"]
         share = plan.get("training_share")
+        rows_s = plan.get("predicted_rows_s", plan["predicted_total_s"])
         lines += ["", f"Time plan (budget {plan['budget_minutes']} min, {plan['images_per_epoch']} training images "
                   f"per epoch; metrics/plan/plan.md). Training took **{_fmt('{:.0%}', share)}** of the stages' "
-                  f"measured time: {_fmt('{:.1f}', (plan.get('measured_total_s') or 0) / 60)} min measured, "
-                  f"{plan['predicted_total_s'] / 60:.1f} min predicted (prepare and DVC's own work not counted).",
+                  f"measured time. The stages below: {_fmt('{:.1f}', (plan.get('measured_total_s') or 0) / 60)} min "
+                  f"measured, {rows_s / 60:.1f} min predicted; the whole run, with the other stages' start-ups and "
+                  f"DVC's own work between stages: {plan['predicted_total_s'] / 60:.1f} min predicted.",
                   "", "| Stage | Predicted | Actual | Actual / predicted |", "| --- | ---: | ---: | ---: |"]
         for name, row in plan["stages"].items():
             ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-            predicted = "(measured)" if name.startswith("profile@") else _fmt("{:.0f} s", row["predicted_s"])
+            predicted = "(measured)" if row["predicted_s"] is None else _fmt("{:.0f} s", row["predicted_s"])
             lines.append(f"| {name} | {predicted} | {_fmt('{:.0f} s', row['actual_s'])} | {ratio} |")
     lines += ["", "Most confident mistakes on the test split: [baseline](baseline/mistakes.png) · "
               "[optimized](optimized/mistakes.png) (written by `evaluate`).",

@@ -61,6 +61,20 @@ times one process's speed at the same per-process batch (measured 0.85: 2 proces
 `python bench/scaling.py --epochs 2`; a 2-process training then ran at 172 img/s where this predicts 170)."""
 
 
+CHECKPOINT_SHARE = 0.05
+"""The most of training time last.pt writes may take (train/pacing.py's pace, which skips a due write
+beyond it); tests/test_plan.py checks the two agree."""
+LAST_AND_BEST = 4 / 3
+"""The final writes against one last.pt: last.pt, and best.pt (the weights alone, a third of it)."""
+OTHER_STAGES = ("machine", "profile_report", "plan", "champion", "delivery", "gate")
+"""The stages outside the profiles, training, evaluation and export: each costs about a stage's
+start-up (imports, data, model) on the first run of a project (no champion yet to judge against)."""
+DVC_STAGE_S = 1.5
+"""DVC's own work per stage it runs (hashing the outputs, caching them, writing dvc.lock), besides the
+stage's command: measured between the commands' ends and starts of a whole `dvc repro` on a 2-core VM
+(`python bench/own_images.py --budget 8 --per-class 450 --until compare`)."""
+
+
 def world_scaling(device: str, nproc: int, nnodes: int) -> tuple[float, str]:
     """(speed factor over the profiled single process, how it was reckoned) for `nproc` x `nnodes`."""
     if nproc * nnodes == 1:
@@ -114,6 +128,10 @@ class Recipe:
     that range; None: `epochs` is the params' count."""
     patience: int | None = None
     """train.patience: with early stop the predicted training time is an upper bound."""
+    warmup_s: float = 0.0
+    """The first step's cost beyond a steady one (kernel selection, allocation), as the profile measured it."""
+    checkpoint_s: float = 0.0
+    """One last.pt write on this machine's disk, as the profile measured it (0: not measured)."""
 
     def batch_for(self, images_per_epoch: int) -> int:
         """The per-process batch training will use when each epoch draws `images_per_epoch` images
@@ -154,7 +172,8 @@ def recipe_from_profile(cfg: VariantConfig, profile: dict[str, Any]) -> Recipe:
                   float(profile.get("stage_time_s", 0.0)), t.batch_size, world, t.accum_steps, t.min_steps, smaller,
                   t.val_images, amp, scale, scaling, startup_s=float(profile.get("startup_s") or 0.0),
                   export_img_s=profile.get("export_img_s"),
-                  auto_epochs=(t.min_epochs, t.max_epochs) if t.epochs == "auto" else None, patience=t.patience)
+                  auto_epochs=(t.min_epochs, t.max_epochs) if t.epochs == "auto" else None, patience=t.patience,
+                  warmup_s=float(profile.get("warmup_s") or 0.0), checkpoint_s=float(profile.get("checkpoint_s") or 0.0))
 
 
 def checked_images(fraction: float, n_val: int, n_test: int, val_images: int | None) -> tuple[int, int]:
@@ -166,13 +185,18 @@ def checked_images(fraction: float, n_val: int, n_test: int, val_images: int | N
     return min(val, VAL_UNDER_BUDGET), min(n_test, PARITY_UNDER_BUDGET)
 
 
-def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int, n_parity: int) -> dict[str, float]:
+def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int, n_parity: int,
+                  n_calibration: int = 0) -> dict[str, float]:
     """Predicted wall time of train, evaluate and export for one recipe (`n_val`: validation images
-    per epoch; `n_parity`: test images the export check covers)."""
+    per epoch; `n_parity`: test images the export check covers; `n_calibration`: the validation split
+    the temperature is fitted on after training)."""
     # Validation is sharded over the ranks like training; evaluate and export run as one process.
     startup = r.startup_s or STARTUP_S
     val_s = n_val / (r.eval_img_s * r.scale)
-    train = r.epochs * (images_per_epoch / r.train_speed(images_per_epoch) + val_s) + startup
+    epochs = r.epochs * (images_per_epoch / r.train_speed(images_per_epoch) + val_s)
+    # last.pt as paced (at most CHECKPOINT_SHARE of training), then the final last.pt and best.pt
+    checkpoints = min(CHECKPOINT_SHARE * epochs, max(0, r.epochs - 1) * r.checkpoint_s) + LAST_AND_BEST * r.checkpoint_s
+    train = epochs + checkpoints + r.warmup_s + n_calibration / r.eval_img_s + startup
     bench = 6 * 256 / r.eval_img_s  # evaluate's model-only throughput measurement
     evaluate = n_test / r.eval_img_s + bench + startup
     if r.export_img_s:  # measured: fp32 on the CPU, where export runs whatever trained the model
@@ -192,25 +216,31 @@ def images_for(fraction: float, full: int, multiple: int) -> int:
 
 
 def predict_total(recipes: Sequence[Recipe], fraction: float, full: int, n_val: int,
-                  n_test: int) -> tuple[int, dict[str, float], float]:
-    """(images per epoch, seconds per later stage, whole-run seconds incl. the profiles) at `fraction`."""
+                  n_test: int, spent_s: float = 0.0) -> tuple[int, dict[str, float], float]:
+    """(images per epoch, seconds per later stage, whole-run seconds) at `fraction`: the profiles' and
+    `spent_s` (what else ran before the plan, measured: prepare), the predicted stages, the other
+    stages' start-ups and DVC's own work between them."""
     multiple = max(r.global_batch for r in recipes)
     images = images_for(fraction, full, multiple)
     stages: dict[str, float] = {}
     for r in recipes:
         val, parity = checked_images(fraction, n_val, n_test, r.val_images)
-        stages.update(stage_seconds(r, images, val, n_test, parity))
-    stages["compare"] = (recipes[0].startup_s or STARTUP_S) / 2
-    spent = sum(r.profile_s for r in recipes)
+        stages.update(stage_seconds(r, images, val, n_test, parity, n_val))
+    startup = recipes[0].startup_s or STARTUP_S
+    stages["compare"] = startup / 2
+    stages["other stages"] = len(OTHER_STAGES) * startup
+    runs = len(recipes) + len(stages) - 1 + len(OTHER_STAGES) + 1  # the profiles, these, prepare
+    stages["DVC's own work"] = runs * DVC_STAGE_S
+    spent = sum(r.profile_s for r in recipes) + spent_s
     return images, stages, spent + sum(stages.values())
 
 
 def choose_fraction(recipes: Sequence[Recipe], full: int, n_val: int, n_test: int, budget_s: float | None,
-                    previous: float | None = None) -> tuple[float, str]:
+                    previous: float | None = None, spent_s: float = 0.0) -> tuple[float, str]:
     """The ladder fraction for this budget, and why it was chosen."""
     if budget_s is None:
         return 1.0, "no budget (run.budget_minutes: null)"
-    totals = {f: predict_total(recipes, f, full, n_val, n_test)[2] for f in LADDER}
+    totals = {f: predict_total(recipes, f, full, n_val, n_test, spent_s)[2] for f in LADDER}
     if previous in totals and KEEP_BAND[0] * budget_s <= totals[previous] <= KEEP_BAND[1] * budget_s:
         return previous, (f"kept the previous fraction: its prediction ({totals[previous] / 60:.1f} min) is within "
                           f"{KEEP_BAND[0]:.0%}..{KEEP_BAND[1]:.0%} of the budget")
@@ -222,7 +252,7 @@ def choose_fraction(recipes: Sequence[Recipe], full: int, n_val: int, n_test: in
     chosen = fitting[0]
     if chosen == 1.0:
         return 1.0, "the whole training split fits the budget"
-    return chosen, (f"the whole split is predicted at {totals[1.0] / 60:.1f} min; {_frac(chosen)} of it per epoch "
+    return chosen, (f"the whole split is predicted at {totals[1.0] / 60:.1f} min; {frac_text(chosen)} of it per epoch "
                     f"is the largest ladder step that fits")
 
 
@@ -244,7 +274,7 @@ def at_epochs(recipes: Sequence[Recipe], epochs: int) -> list[Recipe]:
 
 
 def choose(recipes: Sequence[Recipe], full: int, n_val: int, n_test: int, budget_s: float | None,
-           previous: dict[str, Any] | None = None) -> tuple[int | None, float, str]:
+           previous: dict[str, Any] | None = None, spent_s: float = 0.0) -> tuple[int | None, float, str]:
     """(epochs of the `auto` variants, None when none asks; the ladder fraction; why) for this budget.
 
     `previous` is the last run's budget.yaml: its choice is kept while its prediction stays in
@@ -254,19 +284,19 @@ def choose(recipes: Sequence[Recipe], full: int, n_val: int, n_test: int, budget
     prev_fraction, prev_epochs = previous.get("fraction"), previous.get("epochs")
     span = epoch_range(recipes)
     if span is None:
-        return None, *choose_fraction(recipes, full, n_val, n_test, budget_s, prev_fraction)
+        return None, *choose_fraction(recipes, full, n_val, n_test, budget_s, prev_fraction, spent_s)
     low, high = span
     if budget_s is None:
         return high, 1.0, f"no budget (run.budget_minutes: null): train.max_epochs ({high}) of the whole split"
 
     def total(epochs: int, fraction: float) -> float:
-        return predict_total(at_epochs(recipes, epochs), fraction, full, n_val, n_test)[2]
+        return predict_total(at_epochs(recipes, epochs), fraction, full, n_val, n_test, spent_s)[2]
 
     if isinstance(prev_epochs, int) and low <= prev_epochs <= high and prev_fraction in LADDER:
         kept = total(prev_epochs, prev_fraction)
         if KEEP_BAND[0] * budget_s <= kept <= KEEP_BAND[1] * budget_s:
             return prev_epochs, prev_fraction, (
-                f"kept the previous choice ({prev_epochs} epochs of {_frac(prev_fraction)} of the split): its "
+                f"kept the previous choice ({prev_epochs} epochs of {frac_text(prev_fraction)} of the split): its "
                 f"prediction ({kept / 60:.1f} min) is within {KEEP_BAND[0]:.0%}..{KEEP_BAND[1]:.0%} of the budget")
     # Scanned down from the ceiling, not bisected: more epochs can mean more steps and so a larger,
     # faster batch (train.min_steps), so the total does not always grow with the count.
@@ -278,25 +308,30 @@ def choose(recipes: Sequence[Recipe], full: int, n_val: int, n_test: int, budget
             return epochs, 1.0, (f"the most epochs of the whole split that fit the budget ({fitted / 60:.2f} min "
                                  f"predicted; {epochs + 1} epochs: {total(epochs + 1, 1.0) / 60:.2f} min)")
     keep = prev_fraction if prev_epochs in (None, low) else None  # a fraction chosen at this same count
-    fraction, reason = choose_fraction(at_epochs(recipes, low), full, n_val, n_test, budget_s, keep)
+    fraction, reason = choose_fraction(at_epochs(recipes, low), full, n_val, n_test, budget_s, keep, spent_s)
     return low, fraction, f"train.min_epochs ({low}), the floor of `auto`: {reason}"
 
 
-def _frac(f: float) -> str:
+def frac_text(f: float) -> str:
+    """A ladder fraction as a short fraction: 3/32."""
     return str(Fraction(f).limit_denominator(64))
 
 
 def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, budget_minutes: float | None,
-              requested_images: int | None = None, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+              requested_images: int | None = None, previous: dict[str, Any] | None = None,
+              spent: dict[str, float] | None = None) -> dict[str, Any]:
     """The plan: per-stage predictions, the chosen epochs and images per epoch, and the reasons.
 
-    `previous`: the last run's budget.yaml (`budget_values`), for the hysteresis."""
+    `previous`: the last run's budget.yaml (`budget_values`), for the hysteresis; `spent`: seconds the
+    stages before the profiles took (prepare, as its report measured it), counted in the budget."""
+    spent = spent or {}
+    spent_s = sum(spent.values())
     full = n_train if requested_images is None else min(n_train, requested_images)
     budget_s = None if budget_minutes is None else budget_minutes * 60.0
-    epochs, fraction, reason = choose(recipes, full, n_val, n_test, budget_s, previous)
+    epochs, fraction, reason = choose(recipes, full, n_val, n_test, budget_s, previous, spent_s)
     recipes = recipes if epochs is None else at_epochs(recipes, epochs)
-    images, stages, total = predict_total(recipes, fraction, full, n_val, n_test)
-    _, _, unbudgeted = predict_total(recipes, 1.0, full, n_val, n_test)
+    images, stages, total = predict_total(recipes, fraction, full, n_val, n_test, spent_s)
+    _, _, unbudgeted = predict_total(recipes, 1.0, full, n_val, n_test, spent_s)
     val_cap, parity_cap = checked_images(fraction, n_val, n_test, None) if fraction < 1.0 else (None, None)
     return {
         "budget_minutes": budget_minutes,
@@ -307,6 +342,7 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
         "train_images": n_train,
         "predicted_s": stages,
         "profile_s": {f"profile@{r.variant}": r.profile_s for r in recipes},
+        "spent_s": dict(spent),
         "predicted_total_s": total,
         "predicted_total_unbudgeted_s": unbudgeted,
         "batch": {r.variant: r.batch_for(images) * r.world_size * r.accum_steps for r in recipes},
@@ -319,58 +355,6 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
         "reason": reason,
         "recipes": [asdict(r) for r in recipes],
     }
-
-
-def to_text(plan: dict[str, Any]) -> str:
-    """The plan as the lines `dvc repro` prints before training starts (and plan.md holds)."""
-    budget = plan["budget_minutes"]
-    lines = [f"# Time plan ({'budget ' + format(budget, 'g') + ' min' if budget else 'no budget'})", "",
-             "| stage | predicted |", "| --- | ---: |"]
-    for name, seconds in {**plan["profile_s"], **plan["predicted_s"]}.items():
-        kind = " (measured)" if name.startswith("profile@") else ""
-        lines.append(f"| {name} | {seconds / 60:.1f} min{kind} |")
-    bound = " (at most: early stop)" if plan.get("upper_bound") else ""
-    lines += [f"| **whole run** | **{plan['predicted_total_s'] / 60:.1f} min**{bound} |", "",
-              epochs_line(plan) + f" Training images per epoch: **{plan['images_per_epoch']}** of "
-              f"{plan['train_images']} (fraction {_frac(plan['fraction'])}): {plan['reason']}."]
-    if plan.get("upper_bound"):
-        lines.append("Early stop is on (train.patience: " + ", ".join(
-            f"{v} {p}" for v, p in plan["early_stop"].items()) + "): a run that stops sooner takes less time, "
-            "so the training times above are upper bounds.")
-    if plan["fraction"] < 1.0:
-        whole = "Without the budget" if plan.get("epochs_auto") is None else "On the whole split per epoch"
-        lines.append(f"{whole} the run would take ~{plan['predicted_total_unbudgeted_s'] / 60:.0f} min. "
-                     f"Under it, validation uses {plan['val_images']} images per epoch and the export check "
-                     f"{plan['parity_images']} test images (fixed, class-balanced); test evaluation stays whole.")
-    halved = [f"{r['variant']} {plan['batch'][r['variant']]} (train.batch_size {r['global_batch']})"
-              for r in plan["recipes"] if plan["batch"][r["variant"]] != r["global_batch"]]
-    if halved:
-        lines.append("Global batch lowered so that the run takes at least train.min_steps optimizer steps: "
-                     + "; ".join(halved) + ".")
-    lines += ["", "Speeds measured by the profile stages: " + "; ".join(
-        f"{r['variant']} {r['train_img_s']:.0f} img/s training, ~{r['eval_img_s']:.0f} img/s inference"
-        for r in plan["recipes"]) + ".", ""]
-    scaled = [f"{r['variant']}: {r['scaling']}" for r in plan["recipes"] if r.get("scale", 1.0) != 1.0]
-    if scaled:
-        lines[-1:-1] = ["Training speed at the job's world size: " + "; ".join(scaled) + "."]
-    slower = [f"{r['variant']} at batch {b}: {speed:.2f}x" for r in plan["recipes"]
-              for b, speed in sorted(r.get("smaller_batch_speed", {}).items(), reverse=True)]
-    if slower:
-        lines[-1:-1] = ["Smaller batches, measured against the profiled one: " + "; ".join(slower) + "."]
-    return "\n".join(lines)
-
-
-def epochs_line(plan: dict[str, Any]) -> str:
-    """"Epochs: ..." for the plan's text: the chosen count of the `auto` variants, the others' own."""
-    epochs, auto = plan.get("epochs", {}), plan.get("epochs_auto")
-    if auto is None:
-        counts = set(epochs.values())
-        return (f"Epochs: {counts.pop()} (train.epochs)." if len(counts) == 1 else
-                "Epochs (train.epochs): " + ", ".join(f"{v} {n}" for v, n in epochs.items()) + ".")
-    low, high = plan["epochs_range"]
-    fixed = [f"{v} {n} (train.epochs)" for v, n in epochs.items() if n != auto]
-    return (f"Epochs: **{auto}** (train.epochs: auto, {low} to {high})" + (f"; {', '.join(fixed)}" if fixed else "")
-            + ".")
 
 
 def budget_values(plan: dict[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from cnnpipe.profile.box import TraceSteps
 from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
 from cnnpipe.profile.roofline import OpEvent
+from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.distributed import DistInfo, unwrap
 from cnnpipe.train.engine import Spans, StepContext, forward_times, micro_step, no_region, sync_device
 from cnnpipe.train.parts import build_training, step_context
@@ -158,6 +159,30 @@ def probe_per_image(s: Setup, images: int) -> float:
     train_step(s, limit=images)
     sync_device(s.device)
     return (time.perf_counter() - t0) / (images * s.cfg.train.accum_steps)
+
+
+def first_step_s(s: Setup) -> float:
+    """Seconds of one step at a shape the setup has not stepped at yet (oneDNN/cuDNN pick and build
+    their kernels, the allocator grows): what a training run pays once on top of its steady steps."""
+    sync_device(s.device)
+    t0 = time.perf_counter()
+    train_step(s)
+    sync_device(s.device)
+    return time.perf_counter() - t0
+
+
+def checkpoint_write_s(s: Setup, folder: Path) -> float:
+    """Seconds to write one last.pt-sized checkpoint (the model and optimizer state, by the
+    checkpoint module's own fsynced write) into `folder`, removed after: what training pays per
+    checkpoint on this machine's disk."""
+    state = {"model": unwrap(s.ctx.model).state_dict(), "optimizer": s.ctx.optimizer.state_dict()}
+    path = Path(folder) / ".checkpoint_probe.pt"
+    t0 = time.perf_counter()
+    try:
+        ckpt.save_atomic(state, path)
+        return time.perf_counter() - t0
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[str, float], float]:

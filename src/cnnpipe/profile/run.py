@@ -26,7 +26,9 @@ from cnnpipe.profile.format import all_trials
 from cnnpipe.profile.measure import (
     INFERENCE_BATCH,
     build_setup,
+    checkpoint_write_s,
     cpu_fp32_inference,
+    first_step_s,
     fractions,
     inference_times,
     iqr,
@@ -91,8 +93,10 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     else:
         del setup  # (its model and optimizer state: the base builds its own)
         base = build_setup(measured, info, train)
-    times, totals, cpu_util = timed_steps(base, warmup=1, steps=plan.base_steps())
+    first_s = first_step_s(base)  # the recipe's batch: its first step at that shape (the warm-up)
+    times, totals, cpu_util = timed_steps(base, warmup=0, steps=plan.base_steps())
     step_s = statistics.median(times)
+    warmup_s = max(0.0, first_s - step_s)
     per_image_s = step_s / base.images_per_step
     trace = plan.trace(step_s)
     traced = trace_window(base, trace_dir, f"{cfg.variant}_rank{info.rank}", trace, step_s)
@@ -110,6 +114,8 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     inference = plan.inference(per_image_s, INFERENCE_BATCH)
     inference_s = inference_times(base, inference.batch, inference.calls)
     export_img_s, export_batch = cpu_fp32_inference(base, plan.share(TAIL_SHARE))
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_s = checkpoint_write_s(base, trace_dir) if info.rank == 0 else 0.0
     training_s = t.epoch_count * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
     batches = smaller_batches(cfg) if with_trials else []
     trials = plan.trials(step_s, per_image_s, batches, training_s, inference.batch)
@@ -160,6 +166,8 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "export_img_s": export_img_s,
         "export_batch": export_batch,
         "startup_s": startup_s,
+        "warmup_s": warmup_s,
+        "checkpoint_s": checkpoint_s,
         "fractions": facts.fractions,
         "cpu_util": cpu_util,
         **traced,
