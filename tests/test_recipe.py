@@ -150,6 +150,23 @@ def test_the_gate_measures_the_drift_from_the_anchor_the_champion_stage_fetched(
     assert first["first_model"] and first["anchor_next"] == {"self": True}
 
 
+def test_a_recorded_anchor_whose_file_is_missing_is_an_error_not_the_champion(store, tmp_path):
+    """champion.json records another model as the drift budget's anchor, but anchor/best.pt is gone (a
+    partial checkout, a deleted folder): the gate refuses to run, naming the file and how to fetch it,
+    rather than measure the drift from the champion. With no anchor recorded, the champion is the anchor."""
+    root, data = store
+    champion = make_model(tmp_path / "champion", CLASSES, data, seed=2)
+    challenger = make_model(tmp_path / "challenger", CLASSES, data, seed=3)
+    (champion / "champion.json").write_text(json.dumps({"version": "v0.1.0", "commit": "a" * 40}))
+    unrecorded = gate_verdict(champion, challenger, root, tmp_path)
+    assert unrecorded["drift"]["anchor"] == "the champion v0.1.0: no anchor recorded"
+    anchor = {"commit": "b" * 40, "version": "v0.0.9", "path": "models/optimized/best.pt", "sha256": "c" * 64,
+              "same_as_champion": False, "why": "v0.0.9, the last model shown within the margin"}
+    (champion / "champion.json").write_text(json.dumps({"version": "v0.1.0", "commit": "a" * 40, "anchor": anchor}))
+    with pytest.raises(FileNotFoundError, match=r"anchor v0\.0\.9 .*anchor/best\.pt is missing.*dvc repro champion"):
+        gate_verdict(champion, challenger, root, tmp_path)
+
+
 def variant(data: DataConfig) -> VariantConfig:
     return VariantConfig("optimized", 0, data, ModelConfig(name="test_resnet", init="champion"), TrainConfig())
 

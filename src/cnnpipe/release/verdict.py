@@ -60,11 +60,21 @@ def answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit, 
 
 def anchor_answers(champion: Path, about: dict[str, Any], split: PreparedSplit, store: dict[str, Any],
                    device: torch.device) -> dict[str, Any]:
-    """`judge`'s anchor arguments: the anchor's answers on today's test images when the champion stage
-    fetched another model than the champion (`champion`/anchor/best.pt), else the champion as anchor."""
+    """`judge`'s anchor arguments: the anchor's answers on today's test images when champion.json
+    records another model than the champion (fetched into `champion`/anchor/best.pt), else the champion
+    as anchor. A recorded anchor whose file is missing is an error, never the champion in its place:
+    the drift would then restart from a model that was never shown within the margin."""
     anchor = about.get("anchor") or {}
-    if not (champion / ANCHOR_DIR / "best.pt").exists() or anchor.get("same_as_champion", True):
+    if anchor.get("same_as_champion", True):
         return {"anchor_name": f"the champion {about.get('version')}: {anchor.get('why', 'no anchor recorded')}"}
+    weights = champion / ANCHOR_DIR / "best.pt"
+    if not weights.exists():
+        raise FileNotFoundError(
+            f"{champion / CHAMPION_FILE} records the drift budget's anchor {anchor.get('version')} (commit "
+            f"{str(anchor.get('commit'))[:12]}, sha256 {str(anchor.get('sha256'))[:12]}), but {weights} is missing: "
+            "the drift cannot be measured from it, and the champion is not a stand-in. Fetch it again with "
+            f"`dvc repro champion` (or `dvc pull {champion}`); the anchor moves only when a promoted model is "
+            "shown within the margin of it")
     model, meta = load_trained(champion / ANCHOR_DIR, device)
     other_pixels = recipe_differences(recipe_of(meta), store, STORE_KEYS)
     if other_pixels:
