@@ -23,6 +23,7 @@ from cnnpipe.data.loaders.host import build_eval_loader
 from cnnpipe.data.store.shards import PreparedSplit, read_index
 from cnnpipe.files import ANCHOR_DIR, CHAMPION_FILE, file_sha256, write_json
 from cnnpipe.release.gate import GateRules, class_map, judge
+from cnnpipe.release.looks import anchor_sha256, look_at_anchor
 from cnnpipe.release.render import render
 from cnnpipe.release.slices import slice_masks, week_relabels
 from cnnpipe.train.precision import autocast
@@ -112,6 +113,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
     about = json.loads((champion / CHAMPION_FILE).read_text()) if (champion / CHAMPION_FILE).exists() else {}
     rules = GateRules.from_config(cfg)
     model, meta = load_trained(challenger, device)
+    challenger_sha256 = file_sha256(challenger / "best.pt")
     stale = recipe_differences(recipe_of(meta), store, STORE_KEYS)
     if stale:
         raise ValueError(f"{challenger}/best.pt was trained on another store than {prepared_dir} ({'; '.join(stale)}): "
@@ -139,8 +141,12 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
         else:
             their_pred, _ = answers(their_model, their_meta, split, device)
             anchor = anchor_answers(champion, about, split, store, device)
+            looked = look_at_anchor(out_dir / "gate.json", anchor_sha256(about), challenger_sha256) \
+                if anchor_sha256(about) else {"look": None, "counted_from": "champion.json records no sha256"}
             verdict = judge(split.labels, their_pred, ours, classes, their_meta["classes"], rules, ours_known,
-                            metrics=metrics, slices=slice_masks(prepared_dir, kept), **anchor)
+                            metrics=metrics, slices=slice_masks(prepared_dir, kept), anchor_look=looked.pop("look"),
+                            **anchor)
+            verdict["drift"]["looks_counted"] = looked
     verdict["anchor_next"] = next_anchor(verdict, about)
     verdict["relabels"], relabelled = week_relabels(data_report, index, cfg.max_relabel_share)
     if memorised:
@@ -151,7 +157,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
                      "knew: the champion learnt the old one, so they are left out of the comparison")
     verdict["warnings"] = verdict.get("warnings", []) + notes + relabelled
     verdict["champion"] = about or None
-    verdict["challenger"] = {"model": str(challenger / "best.pt"), "sha256": file_sha256(challenger / "best.pt"),
+    verdict["challenger"] = {"model": str(challenger / "best.pt"), "sha256": challenger_sha256,
                              "input": recipe_of(meta), "test_images": len(split),
                              "test_images_once_trained_on": memorised,
                              "test_images_relabelled": left_out["relabelled"]}
