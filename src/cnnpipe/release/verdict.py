@@ -104,7 +104,8 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
     check's flags when its report `delivery` exists; the test photos its list `held_out` holds out,
     and those whose bytes were ever in a training split (a model may have memorised them), are left
     out of both models' test, and so are those filed under another label than the ledger knew
-    (`data.splits.held_out.open_compared`), the last two counted in the verdict."""
+    (`data.splits.held_out.open_compared`), the last two counted in the verdict. Which look at the
+    drift anchor this is comes from the verdicts git holds beside `out_dir`/gate.json (`looks`)."""
     index = read_index(prepared_dir)
     classes, store = list(index["classes"]), store_recipe(index)
     split, kept, left_out = open_compared(prepared_dir, "test", held_out)
