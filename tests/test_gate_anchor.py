@@ -11,6 +11,7 @@ import pytest
 from cnnpipe.files import file_sha256
 from cnnpipe.release import champion as champion_mod
 from cnnpipe.release.champion import fetch_anchor, recorded_anchor
+from cnnpipe.release.looks import look_at_anchor
 from cnnpipe.release.production import ProductionUnknown
 
 ENV = {"GIT_AUTHOR_NAME": "Product Owner", "GIT_AUTHOR_EMAIL": "po@example.com",
@@ -74,3 +75,31 @@ def test_the_champion_stage_fetches_another_anchor_and_checks_its_bytes(repo, tm
     itself = commit(repo, {"metrics/gate.json": json.dumps({"anchor_next": {"self": True}})}, "week 3")
     about = fetch_anchor(repo, {"commit": itself, "version": "v0.3.0"}, "models/optimized/best.pt", "f" * 64, out)
     assert about["same_as_champion"] and about["commit"] == itself and not (out / "anchor").exists()
+
+
+def verdict_at(anchor: str, challenger: str, champion: str | None = None) -> str:
+    """A committed verdict's fields that say which look it was: its anchor and its challenger."""
+    about = {"sha256": champion or anchor, "anchor": {"sha256": anchor, "same_as_champion": champion is None}}
+    return json.dumps({"blessed": False, "drift": {}, "champion": about, "challenger": {"sha256": challenger}})
+
+
+def test_looks_at_an_anchor_count_every_challenger_judged_against_it_and_restart_with_a_new_anchor(repo, tmp_path):
+    """Every committed verdict against the anchor is a look, retries in the same week and experiments on
+    other refs included; the same challenger judged again is the same look; another anchor's verdicts
+    do not count, and a new anchor starts at look 1."""
+    gate = repo / "metrics" / "gate.json"
+    assert look_at_anchor(gate, "A", "x")["look"] == 1  # no commit holds a verdict yet
+    commit(repo, {"metrics/gate.json": verdict_at("A", "x")}, "week 1")
+    commit(repo, {"metrics/gate.json": verdict_at("A", "y")}, "week 1, retried")
+    subprocess.run(["git", "-C", str(repo), "checkout", "-q", "-b", "exp"], check=True)
+    commit(repo, {"metrics/gate.json": verdict_at("A", "z", champion="C")}, "an experiment, champion C, anchor A")
+    subprocess.run(["git", "-C", str(repo), "checkout", "-q", "main"], check=True)
+    commit(repo, {"metrics/gate.json": verdict_at("A", "x")}, "week 1's challenger judged again")
+    assert look_at_anchor(gate, "A", "w") == {"look": 4, "earlier_challengers": ["x", "y", "z"],
+                                              "counted_from": "4 commit(s) on any ref holding metrics/gate.json"}
+    assert look_at_anchor(gate, "A", "y")["look"] == 3  # itself once
+    commit(repo, {"metrics/gate.json": verdict_at("B", "v")}, "week 2: the anchor moved to B")
+    assert look_at_anchor(gate, "B", "u")["look"] == 2 and look_at_anchor(gate, "A", "w")["look"] == 4
+    assert look_at_anchor(gate, "D", "u")["look"] == 1
+    outside = look_at_anchor(tmp_path / "elsewhere" / "metrics" / "gate.json", "A", "w")
+    assert outside["look"] == 1 and "in no git repository" in outside["counted_from"]

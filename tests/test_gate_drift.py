@@ -4,7 +4,7 @@ neighbouring cells differ only by what the cell changes. bench/gate_power.py pri
 
 import numpy as np
 
-from cnnpipe.release.gate import GateRules
+from cnnpipe.release.gate import GateRules, judge
 from cnnpipe.release.simulate import one_week, run_weeks
 
 WEEKS = 100
@@ -102,3 +102,26 @@ def test_an_equal_challenger_is_still_blessed_where_the_drift_bound_can_decide()
         runs = retrying_runs(n, 0.0, rules, 10)
         rate = float(np.mean([b for run in runs for b in run.blessed]))
         assert rate >= least, (n, rate)
+
+
+def test_a_look_past_the_drift_weeks_is_warned_refused_under_refuse_and_never_judged_laxer():
+    """The drift's error is spent over `drift_weeks` looks per anchor: look 13 of a 12-look budget gets
+    the DRIFT ERROR SPENT warning, is refused under `too_small: refuse`, and is judged at the same spent
+    confidence as look 12 (more looks never buy a laxer bound). Looks 1 to 12 are as before."""
+    n, k = 5_000, 10
+    labels = np.arange(n) % k
+    right = np.random.default_rng(3).random(n) < 0.9
+    pred = np.where(right, labels, (labels + 1) % k)  # an equal challenger: the champion's answers
+    classes = [f"c{i}" for i in range(k)]
+
+    def at(look: int, too_small: str) -> dict:
+        return judge(labels, pred, pred, classes, classes, GateRules(floors={}, too_small=too_small),
+                     anchor_look=look)
+
+    within, past = at(12, "bless"), at(13, "bless")
+    assert within["blessed"] and not any("DRIFT ERROR SPENT" in w for w in within["warnings"])
+    assert not within["drift"]["spent"] and past["drift"]["spent"] and past["drift"]["look"] == 13
+    assert past["blessed"] and any(w.startswith("DRIFT ERROR SPENT: this is look 13") for w in past["warnings"])
+    assert past["drift"]["confidence"] == within["drift"]["confidence"] == GateRules().drift_look_confidence
+    assert past["drift"]["lower_bound"] == within["drift"]["lower_bound"]
+    assert at(12, "refuse")["blessed"] and not at(13, "refuse")["blessed"]

@@ -6,7 +6,10 @@ is left out of the gate's comparison and evaluate's numbers; and by default a sw
 out and promote asks for an acknowledgement."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +27,7 @@ from cnnpipe.release.delivery import check_delivery, write_delivery
 from cnnpipe.release.production import ProductionUnknown
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.train import checkpoint as ckpt
-from conftest import base_params, meta_lines, tiny_params, write_params
+from conftest import ROOT, base_params, meta_lines, tiny_params, write_params
 from test_delivery import CLASSES, COLOURS, colour_photo, probe_checkpoint, read_list, run_stage
 
 SWAPPED = [("red", "green", 40), ("green", "red", 40)]
@@ -234,6 +237,63 @@ def test_a_rerun_of_the_check_alone_keeps_the_last_checks_holds(tmp_path):
     assert clear_main(["--list", str(listed), "--cleared", str(cleared), "--note", "checked", "--sha256", *first]) == 0
     report, files = check_delivery(prepared, later, ReleaseConfig(), torch.device("cpu"), cleared, previous)
     assert report["open_flags"] == len(held) - 3 and not set(first) & {f["sha256"] for f in files if f["held_out"]}
+
+
+DELIVERY_ONLY = """stages:
+  delivery:
+    cmd: python probe_stage.py --params params.yaml --data prepared --champion champion --out delivery.json
+      --list flagged.csv --cleared cleared.csv
+    deps:
+      - prepared
+      - champion
+    outs:
+      - flagged.csv
+    metrics:
+      - delivery.json:
+          cache: false
+"""
+PROBE_STAGE = """import runpy, sys
+sys.path.insert(0, {tests!r})
+import test_delivery  # registers the colour probe with timm: the champion's model
+runpy.run_path({stage!r}, run_name="__main__")
+"""
+
+
+def test_dvc_repro_of_the_check_after_a_new_champion_keeps_its_holds(tmp_path):
+    """The same as above, the way the loop runs it: `dvc repro delivery`, the champion replaced (a promote
+    with --accept-flagged, or a rollback), `dvc repro delivery` again before any prepare. DVC removes the
+    list before the stage runs, so the stage reads its last list back from the DVC cache (dvc.lock's
+    record); every photo it held is listed held again, none trained on."""
+    project = tmp_path / "project"
+    _, prepared = week_store(project)
+    champion_of(project / "champion", 1)
+    params = base_params()
+    params["train"]["device"] = "cpu"
+    write_params(project / "params.yaml", params)
+    (project / "dvc.yaml").write_text(DELIVERY_ONLY)
+    (project / "probe_stage.py").write_text(PROBE_STAGE.format(tests=str(ROOT / "tests"),
+                                                               stage=str(ROOT / "stages" / "delivery.py")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "DVC_NO_ANALYTICS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def dvc(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    dvc("init", "-q", "--no-scm")
+    dvc("repro", "-q", "delivery")
+    first = read_list(project / "flagged.csv")
+    held = {r["sha256"] for r in first if r["held_out"] == "true"}
+    assert len(held) >= 70 and all(r["status"] == "flagged" for r in first)
+
+    shutil.rmtree(project / "champion")
+    champion_of(project / "champion", 2)  # trained on this store: none of its photos is new to it
+    dvc("repro", "-q", "delivery")
+    again = read_list(project / "flagged.csv")
+    assert {r["sha256"] for r in again if r["status"] == "held" and r["held_out"] == "true"} == held
+    report = json.loads((project / "delivery.json").read_text())
+    assert report["new_images"] == 0 and report["open_flags"] == len(held) == report["held_from_earlier_weeks"]
 
 
 def test_a_known_photo_relabelled_is_checked_like_a_new_one_and_left_out_of_the_gates_comparison(tmp_path):

@@ -3,6 +3,8 @@ the gate, the warm start's check). Models here have set weights (a seeded tiny t
 trained ones: the tests compare paths, not what a model learned."""
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +150,44 @@ def test_the_gate_measures_the_drift_from_the_anchor_the_champion_stage_fetched(
     assert "Drift from the anchor" in (tmp_path / "out" / "gate.md").read_text()
     first = gate_verdict(tmp_path / "nobody", challenger, root, tmp_path)
     assert first["first_model"] and first["anchor_next"] == {"self": True}
+
+
+def test_a_recorded_anchor_whose_file_is_missing_is_an_error_not_the_champion(store, tmp_path):
+    """champion.json records another model as the drift budget's anchor, but anchor/best.pt is gone (a
+    partial checkout, a deleted folder): the gate refuses to run, naming the file and how to fetch it,
+    rather than measure the drift from the champion. With no anchor recorded, the champion is the anchor."""
+    root, data = store
+    champion = make_model(tmp_path / "champion", CLASSES, data, seed=2)
+    challenger = make_model(tmp_path / "challenger", CLASSES, data, seed=3)
+    (champion / "champion.json").write_text(json.dumps({"version": "v0.1.0", "commit": "a" * 40}))
+    unrecorded = gate_verdict(champion, challenger, root, tmp_path)
+    assert unrecorded["drift"]["anchor"] == "the champion v0.1.0: no anchor recorded"
+    anchor = {"commit": "b" * 40, "version": "v0.0.9", "path": "models/optimized/best.pt", "sha256": "c" * 64,
+              "same_as_champion": False, "why": "v0.0.9, the last model shown within the margin"}
+    (champion / "champion.json").write_text(json.dumps({"version": "v0.1.0", "commit": "a" * 40, "anchor": anchor}))
+    with pytest.raises(FileNotFoundError, match=r"anchor v0\.0\.9 .*anchor/best\.pt is missing.*dvc repro champion"):
+        gate_verdict(champion, challenger, root, tmp_path)
+
+
+def test_the_gate_counts_its_looks_at_the_anchor_in_the_committed_verdicts(store, tmp_path):
+    """The gate stage reads which look at the anchor this is from the verdicts git holds (`looks`): one
+    committed verdict against the same anchor with another challenger makes this look 2, named in
+    the verdict; the champion's own sha256 is the anchor when none other is recorded."""
+    root, data = store
+    champion = make_model(tmp_path / "champion", CLASSES, data, seed=2)
+    challenger = make_model(tmp_path / "challenger", CLASSES, data, seed=3)
+    about = {"version": "v0.1.0", "commit": "a" * 40, "sha256": "c" * 64,
+             "anchor": {"sha256": "c" * 64, "same_as_champion": True, "why": "the champion"}}
+    (champion / "champion.json").write_text(json.dumps(about))
+    identity = {"GIT_AUTHOR_NAME": "po", "GIT_AUTHOR_EMAIL": "po@x", "GIT_COMMITTER_NAME": "po", "GIT_COMMITTER_EMAIL": "po@x"}
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "gate.json").write_text(json.dumps({"drift": {}, "champion": about,
+                                                            "challenger": {"sha256": "e" * 64}}))
+    for args in (["init", "-q"], ["add", "out/gate.json"], ["commit", "-qm", "last week's refused challenger"]):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, env={**os.environ, **identity})
+    verdict = gate_verdict(champion, challenger, root, tmp_path)
+    assert verdict["drift"]["look"] == 2 and verdict["drift"]["looks_counted"]["earlier_challengers"] == ["e" * 64]
+    assert "look 2 at this anchor" in " ".join(verdict["reasons"])
 
 
 def variant(data: DataConfig) -> VariantConfig:

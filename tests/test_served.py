@@ -181,3 +181,60 @@ def test_promote_refuses_an_untracked_file_and_a_commit_off_the_remotes_main(pro
     assert "not on 'origin''s main" in said and "git push origin HEAD:main" in said
     sh(clone, "git", "checkout", "-q", "main")
     assert "not on 'origin''s main" not in refusal()  # on main: the checks go on (here to DVC's)
+
+
+def refused_week(clone: Path, weights: bytes, champion_commit: str) -> dict:
+    """A week whose gate refuses a new model (`weights`) judged against the champion at `champion_commit`:
+    built, committed, pushed to both remotes; returns the verdict."""
+    (clone / "train.py").write_text("import pathlib, sys\nout = pathlib.Path(sys.argv[1])\nout.mkdir(parents=True)\n"
+                                    f"(out / 'best.pt').write_bytes({weights!r})\n")
+    verdict = {"blessed": False, "reasons": ["top-1 not shown within the margin"], "warnings": [],
+               "champion": {"commit": champion_commit, "version": "v0.1.0"},
+               "delivery": {"checked": False, "open_flags": 0}}
+    (clone / "gate.py").write_text(f"import json\njson.dump({verdict!r}, open('metrics/gate.json', 'w'))\n")
+    sh(clone, "dvc", "repro", "-q")
+    sh(clone, "git", "add", "-A")
+    sh(clone, "git", "commit", "-qm", f"a week refused: {weights!r}")
+    sh(clone, "dvc", "push", "-q")
+    sh(clone, "git", "push", "-q", "origin", "main")
+    return verdict
+
+
+def test_an_override_made_by_promote_verifies_and_a_hand_written_one_is_refused(promoted, tmp_path, monkeypatch):
+    """`promote --override` records who, why and the md5s of the refused verdict and its model; verify
+    accepts that. A hand-written "OVERRIDE by" tag, and promote's own record copied onto a commit whose
+    model is another, are refused, each saying why; every other check passes on that commit."""
+    from cnnpipe.release.verify import verify
+
+    project, origin, _ = promoted
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    own_origin, clone = tmp_path / "origin.git", tmp_path / "clone"
+    sh(tmp_path, "git", "clone", "-q", "--bare", str(origin), str(own_origin))  # the module's origin stays as it is
+    sh(tmp_path, "git", "clone", "-q", str(own_origin), str(clone))
+    sh(clone, "git", "config", "user.name", "Product Owner")
+    sh(clone, "git", "config", "user.email", "po@example.com")
+    champion = sh(clone, "git", "rev-parse", "m#prod#1^{commit}").stdout.strip()
+    verdict = refused_week(clone, b"overridden weights", champion)
+    with pytest.raises(promote_mod.Refused, match="the gate did not bless this model"):
+        promote_mod.promote(clone, ReleaseConfig(artifact="m"), verdict)
+    version, tags, _ = promote_mod.promote(clone, ReleaseConfig(artifact="m"), verdict, override="the test set is wrong")
+    assert version == "v0.2.0" and "m#prod#2" in tags
+    ok, findings = verify(clone, "m#prod#2", "m")
+    assert ok, findings
+    assert any("m#prod#2 records the override by Product Owner: the test set is wrong" in f for f in findings), findings
+
+    message = sh(clone, "git", "tag", "-l", "--format=%(contents)", "m#prod#2").stdout.strip()
+    refused_week(clone, b"other weights", champion)
+    for name, text in (("hand-written", "OVERRIDE by Mallory: trust me"), ("copied", message)):
+        sh(clone, "git", "tag", "-a", "m#prod#3", "-m", text, "HEAD")
+        try:
+            ok, findings = verify(clone, "m#prod#3", "m")
+        finally:
+            sh(clone, "git", "tag", "-d", "m#prod#3")
+        assert not ok, (name, findings)
+        assert "the DVC remote holds the model" in findings and any("REFUSED it and no tag records an override made "
+                                                                     "for it" in f for f in findings), findings
+        said = ("m#prod#3 says OVERRIDE but carries no override record" if name == "hand-written"
+                else "m#prod#3's override was made for another verdict or model (model_md5")
+        assert any(said in f for f in findings), findings

@@ -14,7 +14,9 @@ from scipy.stats import betabinom
 
 from cnnpipe.release_config import DeliveryConfig
 
-OTHER_CLASSES = "(several other classes)"  # the predicted name of a flagged class's row when no one pair stands out
+# The predicted name of a flagged class's row when none of its pairs is flagged on its own: the class's
+# confident disagreements summed over every class they went to (stage 1's count), not one class.
+OTHER_CLASSES = "(other classes together; none flagged alone)"
 
 
 def grouped_holm(p: np.ndarray, group: np.ndarray, size: np.ndarray) -> np.ndarray:

@@ -27,7 +27,10 @@ those classes only (its argmax restricted to them: `challenger_pred_known`). On 
   challenger ships a model beyond the budget with probability at most `drift_error` over those weeks
   (plus what a moved anchor's own loss adds), not `1 - drift_confidence` a week. A set too small
   for that bound to pass even a challenger that answers as the anchor does (`paired.drift_decidable`)
-  gets a warning, and `too_small` decides: judged at `drift_confidence` (bless) or refused.
+  gets a warning, and `too_small` decides: judged at `drift_confidence` (bless) or refused. The looks
+  are counted per anchor (`anchor_look`, retries included): a look past `drift_weeks` is beyond the
+  promise, so it gets a warning and `too_small` decides: judged at the same spent confidence (bless),
+  never a laxer one, or refused.
 
 What is served. The old classes are also judged on the answer the challenger will serve (its argmax
 over all of today's classes), where an old class's image called a new class is wrong. Every rule here
@@ -70,6 +73,7 @@ from cnnpipe.release.paired import (
     compare,
     drift,
     drift_reason,
+    drift_spent_warning,
     drift_too_small_warning,
     paired_reason,
     too_small_warning,
@@ -94,7 +98,7 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
           champion_classes: Sequence[str], rules: GateRules, challenger_pred_known: np.ndarray | None = None, *,
           metrics: Mapping[str, Any] | None = None, slices: Mapping[str, np.ndarray] | None = None,
           anchor_pred: np.ndarray | None = None, anchor_classes: Sequence[str] | None = None,
-          anchor_name: str = "the champion: no anchor recorded") -> dict[str, Any]:
+          anchor_name: str = "the champion: no anchor recorded", anchor_look: int | None = None) -> dict[str, Any]:
     """The gate's verdict on one test set.
 
     labels: each test image's class, an index into `classes` (today's).
@@ -108,6 +112,8 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
     slices: name -> boolean mask over the test images; each gets `compare`'s statistics, reported.
     anchor_pred, anchor_classes, anchor_name: the anchor's answers (an index into its own classes),
         for the drift budget; None: the champion is the anchor.
+    anchor_look: which look at the anchor this is, retries included (`cnnpipe.release.looks`); past
+        `rules.drift_weeks` the drift's error is spent: warned, and refused under `too_small: refuse`.
 
     Returns `blessed`, `reasons` (every rule's outcome, in words) and `warnings`, with the numbers:
     `paired` (like for like), `served` (the served answers on the same images), `drift`,
@@ -150,13 +156,16 @@ def judge(labels: np.ndarray, champion_pred: np.ndarray | None, challenger_pred:
         amap = class_map(classes, anchor_classes or [], rules.renamed)
         anchor_right = amap.champion_to_today[np.asarray(anchor_pred, dtype=np.int64)] == labels
         on = old & amap.known[labels]
-    verdict["drift"] = drifted = drift(anchor_right[on], challenger_right[on], rules, anchor_name)
+    verdict["drift"] = drifted = drift(anchor_right[on], challenger_right[on], rules, anchor_name, anchor_look)
     failed |= not drifted["within"]
     reasons.append(drift_reason(drifted))
     if not drifted["decidable"]:
         # No challenger could pass the spent bound on so few images: the loop's too_small policy decides.
         failed |= rules.too_small == "refuse"
         warnings.append(drift_too_small_warning(drifted, rules))
+    if drifted["spent"]:  # more looks than the error was spent over: the promise no longer covers this one
+        failed |= rules.too_small == "refuse"
+        warnings.append(drift_spent_warning(drifted, rules))
 
     # The served answers' top-1 on the old classes, ruled on like the like-for-like one: the same
     # margin, or the margin a small set supports. Only a new class can make the two differ.

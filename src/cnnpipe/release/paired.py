@@ -86,10 +86,12 @@ def small_set(supported: float, rules: Any) -> tuple[float, float]:
     return rules.drift_budget, rules.drift_confidence
 
 
-def drift(anchor_right: np.ndarray, challenger_right: np.ndarray, rules: Any, anchor: str) -> dict[str, Any]:
+def drift(anchor_right: np.ndarray, challenger_right: np.ndarray, rules: Any, anchor: str,
+          look: int | None = None) -> dict[str, Any]:
     """The challenger against the anchor (`anchor` says which model that is): the lower bound at the
     drift confidence, whether it is within the budget, and whether the challenger is shown within the
-    margin of the anchor (then, blessed, it becomes the next anchor)."""
+    margin of the anchor (then, blessed, it becomes the next anchor). `look`: which look at this anchor
+    this is (`cnnpipe.release.looks`; None: not counted); past `drift_weeks` the error is `spent`."""
     t = paired_counts(anchor_right, challenger_right)
     decidable = drift_decidable(t.n, t.champion_top1, rules)
     confidence = rules.drift_look_confidence if decidable else rules.drift_confidence
@@ -108,6 +110,7 @@ def drift(anchor_right: np.ndarray, challenger_right: np.ndarray, rules: Any, an
             "confidence": confidence, "budget": rules.drift_budget,
             "within": bool(t.n and lower > -rules.drift_budget), "images_needed": needed, "decidable": decidable,
             "error_spent": {"drift_error": rules.drift_error, "drift_weeks": rules.drift_weeks},
+            "look": look, "spent": bool(look is not None and look > rules.drift_weeks),
             "shown_within_margin": bool(lower_margin > -rules.margin),
             "lower_bound_at_margin_confidence": lower_margin}
 
@@ -150,9 +153,10 @@ def drift_reason(d: dict[str, Any]) -> str:
     """The drift from the anchor in words."""
     within = "within" if d["within"] else "BEYOND"
     spent = d.get("error_spent") or {}
-    how = (f"{d['confidence']:.2%} sure: {spent['drift_error']:.0%} spent over {spent['drift_weeks']} weeks"
+    how = (f"{d['confidence']:.2%} sure: {spent['drift_error']:.0%} spent over {spent['drift_weeks']} looks"
            if spent and d.get("decidable") else f"{d['confidence']:.0%} sure"
            + ("" if d.get("decidable", True) else ": too few images for the spent bound"))
+    how += f"; look {d['look']} at this anchor" if d.get("look") else ""
     text = (f"drift from the anchor ({d['anchor']}) on {d['images']} test images: {d['difference']:+.2%}, at worst "
             f"{d['lower_bound']:+.2%} ({how}), {within} the budget of -{d['budget']:.2%}")
     if not d["within"] and d.get("decidable") and d.get("images_needed") and d["images"] < d["images_needed"]:
@@ -182,3 +186,15 @@ def drift_too_small_warning(d: dict[str, Any], rules: Any) -> str:
             f"the anchor does stays below -{d['budget']:.0%} at {rules.drift_look_confidence:.2%} "
             f"({rules.drift_error:.0%} spent over {rules.drift_weeks} weeks); {action}; about "
             f"{d['images_needed']:,} test images are needed for an equal challenger to pass it 95% of the time")
+
+
+def drift_spent_warning(d: dict[str, Any], rules: Any) -> str:
+    """gate.md's warning on a look past the `drift_weeks` looks an anchor's error is spent over."""
+    action = ("judged at the same spent confidence, but beyond the promise: each further look adds "
+              f"{rules.drift_error / rules.drift_weeks:.2%}, {d['look'] * rules.drift_error / rules.drift_weeks:.0%} "
+              "so far (release.too_small: bless)" if rules.too_small == "bless"
+              else "the loop refuses it (release.too_small: refuse)")
+    return (f"DRIFT ERROR SPENT: this is look {d['look']} at the anchor ({d['anchor']}), retries included; "
+            f"release.drift_error ({rules.drift_error:.0%}) is spent over release.drift_weeks ({rules.drift_weeks}) "
+            f"looks; {action}. A challenger shown within the margin of the anchor becomes the next one and "
+            "restarts the count")

@@ -1,7 +1,7 @@
 """Promote this commit's model, the GTO way, and publish it: `python -m cnnpipe.promote`.
 
 Refuses, with exit code 2 and the reasons, when: the model was not blessed (unless `--override
-"why"`, which goes into the tags), the delivery check left flagged photos open (named; unless
+"why"`, which goes into the tags with a record verify checks: `cnnpipe.release.override`), the delivery check left flagged photos open (named; unless
 `--accept-flagged`, said in the tags), the gate judged against another champion than the one in the
 stage now, the working tree (an untracked file included) or dvc.lock is not committed, the pipeline
 is not up to date with dvc.lock, the model is not in the DVC remote, the commit is not on the git
@@ -28,6 +28,7 @@ from typing import Any
 
 from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.params import ParamsError, load_params, release_config
+from cnnpipe.release.override import record_line
 from cnnpipe.release.production import (
     REGISTRY_RECORD,
     ProductionUnknown,
@@ -230,12 +231,16 @@ def promote(repo: Path, cfg: ReleaseConfig, verdict: dict[str, Any], override: s
     except ProductionUnknown as exc:
         raise Refused(str(exc)) from exc
     message = summary(verdict)
+    who = _run(["git", "config", "user.name"], repo).stdout.strip() or "unknown"
     if override:
-        who = _run(["git", "config", "user.name"], repo).stdout.strip() or "unknown"
         message = f"OVERRIDE by {who}: {override}. {message}"
     if flags:  # after the gate's words, so that an override still leads the message
-        who = _run(["git", "config", "user.name"], repo).stdout.strip() or "unknown"
         message = f"{message} Delivery: {flags.splitlines()[0].rstrip(':')}: {ACCEPTED} by {who}."
+    if override and not verdict["blessed"]:  # what verify checks: this commit's verdict and model, by md5
+        try:
+            message += "\n\n" + record_line(who, override, git(repo, "show", "HEAD:dvc.lock").stdout)
+        except (ValueError, ProductionUnknown) as exc:
+            raise Refused(str(exc)) from exc
     versions = [e for e in events if e.action == "register" and e.commit == head]
     try:
         if versions:

@@ -23,6 +23,7 @@ from cnnpipe.data.loaders.host import build_eval_loader
 from cnnpipe.data.store.shards import PreparedSplit, read_index
 from cnnpipe.files import ANCHOR_DIR, CHAMPION_FILE, file_sha256, write_json
 from cnnpipe.release.gate import GateRules, class_map, judge
+from cnnpipe.release.looks import anchor_sha256, look_at_anchor
 from cnnpipe.release.render import render
 from cnnpipe.release.slices import slice_masks, week_relabels
 from cnnpipe.train.precision import autocast
@@ -60,11 +61,21 @@ def answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit, 
 
 def anchor_answers(champion: Path, about: dict[str, Any], split: PreparedSplit, store: dict[str, Any],
                    device: torch.device) -> dict[str, Any]:
-    """`judge`'s anchor arguments: the anchor's answers on today's test images when the champion stage
-    fetched another model than the champion (`champion`/anchor/best.pt), else the champion as anchor."""
+    """`judge`'s anchor arguments: the anchor's answers on today's test images when champion.json
+    records another model than the champion (fetched into `champion`/anchor/best.pt), else the champion
+    as anchor. A recorded anchor whose file is missing is an error, never the champion in its place:
+    the drift would then restart from a model that was never shown within the margin."""
     anchor = about.get("anchor") or {}
-    if not (champion / ANCHOR_DIR / "best.pt").exists() or anchor.get("same_as_champion", True):
+    if anchor.get("same_as_champion", True):
         return {"anchor_name": f"the champion {about.get('version')}: {anchor.get('why', 'no anchor recorded')}"}
+    weights = champion / ANCHOR_DIR / "best.pt"
+    if not weights.exists():
+        raise FileNotFoundError(
+            f"{champion / CHAMPION_FILE} records the drift budget's anchor {anchor.get('version')} (commit "
+            f"{str(anchor.get('commit'))[:12]}, sha256 {str(anchor.get('sha256'))[:12]}), but {weights} is missing: "
+            "the drift cannot be measured from it, and the champion is not a stand-in. Fetch it again with "
+            f"`dvc repro champion` (or `dvc pull {champion}`); the anchor moves only when a promoted model is "
+            "shown within the margin of it")
     model, meta = load_trained(champion / ANCHOR_DIR, device)
     other_pixels = recipe_differences(recipe_of(meta), store, STORE_KEYS)
     if other_pixels:
@@ -93,7 +104,8 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
     check's flags when its report `delivery` exists; the test photos its list `held_out` holds out,
     and those whose bytes were ever in a training split (a model may have memorised them), are left
     out of both models' test, and so are those filed under another label than the ledger knew
-    (`data.splits.held_out.open_compared`), the last two counted in the verdict."""
+    (`data.splits.held_out.open_compared`), the last two counted in the verdict. Which look at the
+    drift anchor this is comes from the verdicts git holds beside `out_dir`/gate.json (`looks`)."""
     index = read_index(prepared_dir)
     classes, store = list(index["classes"]), store_recipe(index)
     split, kept, left_out = open_compared(prepared_dir, "test", held_out)
@@ -102,6 +114,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
     about = json.loads((champion / CHAMPION_FILE).read_text()) if (champion / CHAMPION_FILE).exists() else {}
     rules = GateRules.from_config(cfg)
     model, meta = load_trained(challenger, device)
+    challenger_sha256 = file_sha256(challenger / "best.pt")
     stale = recipe_differences(recipe_of(meta), store, STORE_KEYS)
     if stale:
         raise ValueError(f"{challenger}/best.pt was trained on another store than {prepared_dir} ({'; '.join(stale)}): "
@@ -129,8 +142,12 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
         else:
             their_pred, _ = answers(their_model, their_meta, split, device)
             anchor = anchor_answers(champion, about, split, store, device)
+            looked = look_at_anchor(out_dir / "gate.json", anchor_sha256(about), challenger_sha256) \
+                if anchor_sha256(about) else {"look": None, "counted_from": "champion.json records no sha256"}
             verdict = judge(split.labels, their_pred, ours, classes, their_meta["classes"], rules, ours_known,
-                            metrics=metrics, slices=slice_masks(prepared_dir, kept), **anchor)
+                            metrics=metrics, slices=slice_masks(prepared_dir, kept), anchor_look=looked.pop("look"),
+                            **anchor)
+            verdict["drift"]["looks_counted"] = looked
     verdict["anchor_next"] = next_anchor(verdict, about)
     verdict["relabels"], relabelled = week_relabels(data_report, index, cfg.max_relabel_share)
     if memorised:
@@ -141,7 +158,7 @@ def run_gate(cfg: ReleaseConfig, champion: Path, challenger: Path, challenger_me
                      "knew: the champion learnt the old one, so they are left out of the comparison")
     verdict["warnings"] = verdict.get("warnings", []) + notes + relabelled
     verdict["champion"] = about or None
-    verdict["challenger"] = {"model": str(challenger / "best.pt"), "sha256": file_sha256(challenger / "best.pt"),
+    verdict["challenger"] = {"model": str(challenger / "best.pt"), "sha256": challenger_sha256,
                              "input": recipe_of(meta), "test_images": len(split),
                              "test_images_once_trained_on": memorised,
                              "test_images_relabelled": left_out["relabelled"]}

@@ -3,7 +3,8 @@
 Exits 0 only when, at the commit the tag (or ref) names:
 
 - metrics/gate.json says `blessed`, or a GTO tag of the artifact on that commit records an override
-  (`OVERRIDE by ...`, as `python -m cnnpipe.promote --override` writes);
+  that `python -m cnnpipe.promote --override` made for that commit's verdict and model (its record
+  names their md5s, `cnnpipe.release.override`): a hand-written "OVERRIDE by ..." tag is refused;
 - the delivery check left no flagged photo open, or a tag on that commit records the acknowledgement
   (`python -m cnnpipe.promote --accept-flagged`);
 - that gate.json is the gate stage's own output (its md5 is the one dvc.lock records for it);
@@ -33,11 +34,8 @@ from cnnpipe.release_config import ReleaseConfig
 from cnnpipe.release.champion import artifact_path
 from cnnpipe.release.production import ProductionUnknown, artifact_events, git
 from cnnpipe.release.remote import ModelUnchecked, Remote
+from cnnpipe.release.override import GATE, MODEL_DIR, MODEL_STAGE, check_override, claims_override, describe
 from cnnpipe.release.promote import ACCEPTED, open_flags
-
-GATE = "metrics/gate.json"
-MODEL_DIR = "models/optimized"
-MODEL_STAGE = "train@optimized"
 
 
 def _lock_entry(entries: list[dict[str, Any]], path: str) -> dict[str, Any] | None:
@@ -68,7 +66,7 @@ def verify(repo: Path, ref: str, artifact: str) -> tuple[bool, list[str]]:
     if not commit:
         raise ProductionUnknown(f"{ref!r} names no commit here (fetch the tags: `git fetch --tags`)")
     findings = [f"{ref} is commit {commit[:12]}"]
-    overrides = [e for e in artifact_events(repo, artifact) if e.commit == commit and e.message.startswith("OVERRIDE by")]
+    claimed = [e for e in artifact_events(repo, artifact) if e.commit == commit and claims_override(e.message)]
     raw = git(repo, "show", f"{commit}:{GATE}", check=False)
     lock_text = git(repo, "show", f"{commit}:dvc.lock", check=False)
     if raw.returncode != 0 or lock_text.returncode != 0:
@@ -91,12 +89,16 @@ def verify(repo: Path, ref: str, artifact: str) -> tuple[bool, list[str]]:
                         f"{(judged or {}).get('md5')}, {MODEL_STAGE} made {(built or {}).get('md5')})")
     if verdict.get("blessed"):
         findings.append("the gate blessed it: " + "; ".join(verdict.get("warnings", []) + verdict["reasons"][:1]))
-    elif overrides:
-        findings.append(f"the gate refused it, and {overrides[0].tag} records the override: "
-                        + overrides[0].message.split(". gate:")[0])
     else:
-        ok = False
-        findings.append("the gate REFUSED it and no tag records an override: " + "; ".join(verdict["reasons"]))
+        why_not = {e.tag: check_override(e.tag, e.message, lock_text.stdout) for e in claimed}
+        held = sorted((e for e in claimed if why_not[e.tag] is None), key=lambda e: e.tag != ref)  # ref's own first
+        if held:
+            findings.append(f"the gate refused it, and {held[0].tag} records the override {describe(held[0].message)}")
+        else:
+            ok = False
+            findings += [w for w in why_not.values() if w]
+            findings.append("the gate REFUSED it and no tag records an override made for it: "
+                            + "; ".join(verdict["reasons"]))
     flags = open_flags(verdict)
     accepted = [e for e in artifact_events(repo, artifact) if e.commit == commit and ACCEPTED in e.message]
     if flags and not accepted:
