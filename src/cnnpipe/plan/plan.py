@@ -228,9 +228,9 @@ def predict_total(recipes: Sequence[Recipe], fraction: float, full: int, n_val: 
         stages.update(stage_seconds(r, images, val, n_test, parity, n_val))
     startup = recipes[0].startup_s or STARTUP_S
     stages["compare"] = startup / 2
+    commands = len(recipes) + len(stages) + len(OTHER_STAGES) + 1  # the profiles, the stages above, the rest, prepare
     stages["other stages"] = len(OTHER_STAGES) * startup
-    runs = len(recipes) + len(stages) - 1 + len(OTHER_STAGES) + 1  # the profiles, these, prepare
-    stages["DVC's own work"] = runs * DVC_STAGE_S
+    stages["DVC's own work"] = commands * DVC_STAGE_S
     spent = sum(r.profile_s for r in recipes) + spent_s
     return images, stages, spent + sum(stages.values())
 
