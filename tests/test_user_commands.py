@@ -13,11 +13,10 @@ user has: each substitution below names the placeholder and fails when the block
 (a changed README is a changed test). Sizes are shrunk only through `-S` flags appended to the
 `dvc exp run` the block itself gives (a tiny timm model, 28 px, one small batch, 2 epochs, the
 profiles' smallest time box): one such run (`user_run`, built once per test run) serves every block
-after it.
+after it. The manifest route runs at the README's own sizes (the 160 px JPEG store).
 
 No verdict depends on what the tiny model learns: the floor is lowered to 0 through `-S`, so the
-first model is blessed on the floors alone, and week 2's test split is too small for the gate to
-refuse an equal or slightly worse challenger (`release.too_small: bless`, the default).
+first model is blessed on the floors alone.
 """
 
 from __future__ import annotations
@@ -183,6 +182,10 @@ def user_run(tmp_path_factory) -> tuple[Path, dict]:
     return built_once(tmp_path_factory, "user_run", build_user_run)
 
 
+AT_THE_READMES_SIZES = tuple(s for s in TINY if s.split("=", 1)[0] not in ("data.stored_size", "data.image_size"))
+"""TINY but for the sizes: the block's own 160 px JPEG store and 128 px to the model (the manifest route's run)."""
+
+
 def stages_run(output: str) -> list[str]:
     return re.findall(r"Running stage '([^']+)'", output)
 
@@ -325,7 +328,9 @@ def test_a_manifest_with_its_own_splits_reaches_training(user_run, tmp_path):
     """The README's manifest route: the same block with the `data.source` it names for a manifest, whose
     rows give each photo's split (`path,label,split`). It lists the same photos, each in the split the
     first run's ledger gave it, so the ledger on disk goes on and no photo changes split; the splits are
-    the source's now: none is carved out of train, the small test split is still said."""
+    the source's now: none is carved out of train, the small test split is still said.
+
+    It runs at the block's own sizes (`AT_THE_READMES_SIZES`): the store is JPEG at 160 px."""
     built, _ = user_run
     shutil.copytree(built, tmp_path / "user", symlinks=True)
     project, home = tmp_path / "user" / "project", tmp_path / "user" / "home"
@@ -340,8 +345,8 @@ def test_a_manifest_with_its_own_splits_reaches_training(user_run, tmp_path):
     manifest.write_text("\n".join(rows) + "\n")
     [block] = blocks(README, "## Your own images", "bash")
     script = "\n".join(line for line in block.splitlines() if not line.startswith("cp "))  # the photos are there
-    script = re.sub(r"^(dvc exp run .*)$", lambda m: m.group(1) + "".join(f" -S {s}" for s in TINY), script,
-                    flags=re.MULTILINE)
+    script = re.sub(r"^(dvc exp run .*)$", lambda m: m.group(1) + "".join(f" -S {s}" for s in AT_THE_READMES_SIZES),
+                    script, flags=re.MULTILINE)
     out = bash(substitute(script, {"-S data.source=data/raw/products ": f"-S data.source={route} "}),
                project, home, project)
     ran = stages_run(out.stdout)
@@ -361,6 +366,13 @@ def test_a_manifest_with_its_own_splits_reaches_training(user_run, tmp_path):
     compare_md = (project / "metrics" / "compare.md").read_text()
     assert "small test split" in compare_md
     assert ("is better" in compare_md) == (compare["significance"]["p_value"] < 0.05)
+
+    # The README's store: JPEG at 160 px (`data.encoding: auto`), read by every stage after it.
+    index = json.loads((project / "data" / "prepared" / "index.json").read_text())
+    assert index["encoding"] == "jpeg" and index["size"] == 160, {k: index.get(k) for k in ("encoding", "size")}
+    for variant in ("baseline", "optimized"):
+        profile = json.loads((project / "metrics" / "profile" / f"{variant}.json").read_text())
+        assert profile["image_size"] == 128, (variant, profile["image_size"])
 
 
 def test_a_fresh_clone_says_what_it_lacks_and_prepares_own_photos_twice(tmp_path):
