@@ -98,8 +98,10 @@ def test_python_blocks_import_and_the_ones_marked_here_run(tmp_path):
 
 def test_copies_of_a_run_block_hold_its_commands():
     """A block that repeats one a test runs holds the same commands: docs/data.md's own-images recipe
-    ("### Together, and what is not a photo") is the README's "## Your own images"; docs/profiling.md's
-    tensorboard line ("# Profiling") is the README's "## Everyday use" one, which test_profile serves."""
+    ("### Together, and what is not a photo") is the README's "## Your own images"; docs/weekly-loop.md's
+    week and serving machine ("## The commands") are the README's weekly ones, which
+    test_user_commands' newcomer runs; docs/profiling.md's tensorboard line ("# Profiling") is the
+    README's "## Everyday use" one, which test_profile serves."""
     blocks = every_block()
 
     def commands(block: str) -> list[str]:
@@ -109,6 +111,17 @@ def test_copies_of_a_run_block_hold_its_commands():
     readme_own = blocks[("README.md", "## Your own images", "bash", 0)]
     data_own = blocks[("docs/data.md", "### Together, and what is not a photo", "bash", 0)]
     assert commands(data_own) == commands(readme_own)
+    # docs/weekly-loop.md's week: the photos copied in, the README's week (`&&` on lines of their own), a look
+    # at gate.md; its serving machine: the README's `fetch` (another URL), then predict.
+    def steps(block: str) -> list[str]:
+        return [s.strip() for c in commands(block) for s in c.split("&&")]
+
+    readme_week = steps(blocks[("README.md", "## Every week: retrain, gate, promote", "bash", 1)])
+    docs_week = steps(blocks[("docs/weekly-loop.md", "## The commands", "bash", 0)])
+    assert [s for s in docs_week if not s.startswith(("cp ", "cat "))] == readme_week[:-1]
+    docs_fetch = steps(blocks[("docs/weekly-loop.md", "## The commands", "bash", 1)])
+    fetch, readme_fetch = docs_fetch[0].split(), readme_week[-1].split()
+    assert fetch[:3] == readme_fetch[:3] and fetch[4:] == readme_fetch[4:]  # the URL aside
     [tensorboard] = [c for c in commands(blocks[("README.md", "## Everyday use", "console", 0)])
                      if c.startswith("tensorboard")]
     assert commands(blocks[("docs/profiling.md", "# Profiling", "bash", 0)]) == [tensorboard]

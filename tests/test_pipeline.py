@@ -14,7 +14,7 @@ import yaml
 
 from cnnpipe.plan.plan import KEEP_BAND
 from cnnpipe.train.precision import cpu_has_fast_bf16
-from conftest import (ROOT, SMALLEST_PROFILE, base_params, build_reproduced, built_once, save_image, tiny_params,
+from conftest import (ROOT, base_params, build_reproduced, built_once, save_image, tiny_params,
                       write_params)
 
 pytestmark = pytest.mark.slow
@@ -99,13 +99,6 @@ def test_repro_produces_every_output_and_metric(reproduced):
     assert "McNemar" in compare_md and "95% Wilson" in compare_md
     shown = run(["dvc", "metrics", "show", "--json"], project)
     assert "top1" in shown and "speedup_throughput" in shown
-
-
-def test_second_repro_is_a_noop(project):
-    """Same machine, nothing edited: only the always-run stages (the machine, the champion) run, and
-    nothing after them."""
-    out = run(["dvc", "repro"], project)
-    assert sorted(stages_run(out)) == ["champion", "machine"]
 
 
 def _stale(project: Path) -> set[str]:
@@ -205,54 +198,6 @@ def test_profile_params_retrain_only_when_the_tuned_values_change(project):
     assert ("train@optimized" in ran) == (after != before)
     assert after == {"amp": "bf16" if cpu_has_fast_bf16() else "off", "channels_last": True, "loader": "fast",
                      "num_workers": 0, "decode": "cpu"}
-
-
-def _photo_tree(root: Path, predefined: bool) -> Path:
-    """Real PNG/JPEG files of two learnable classes (red-ish vs blue-ish), a broken one among them."""
-    import numpy as np
-
-    from conftest import save_image
-
-    rng = np.random.default_rng(0)
-    splits = {"train": 24, "val": 6, "test": 6} if predefined else {"": 36}
-    for split, n in splits.items():
-        for cls, channel in (("red things", 0), ("blue things", 2)):
-            for i in range(n):
-                img = rng.integers(0, 90, size=(20 + i % 7, 26, 3), dtype=np.uint8)
-                img[..., channel] = 200
-                save_image(root / split / cls / f"img {i}.{'jpg' if i % 2 else 'png'}", img)
-    (root / ("train" if predefined else "") / "red things" / "broken.jpg").write_bytes(b"\xff\xd8 not really")
-    return root
-
-
-def _small_batch_params() -> dict:
-    """tiny_params with batches a few dozen photos can fill."""
-    params = tiny_params()
-    params["train"]["batch_size"] = 8
-    params["variants"]["baseline"]["train"]["batch_size"] = 8
-    return params
-
-
-def test_repro_on_an_image_folder_with_its_own_splits(project, tmp_path):
-    tree = _photo_tree(tmp_path / "photos", predefined=True)
-    params = _small_batch_params()
-    params["data"].update(source=str(tree), stored_size=32, image_size=28)
-    params["profile"]["budget_share"] = SMALLEST_PROFILE  # what is checked here is the data's way, not the profile's
-    write_params(project / "params.yaml", params)
-    run(["dvc", "repro"], project)
-    report = json.loads((project / "metrics" / "data_report.json").read_text())
-    assert report["num_bad"] == 1 and report["bad_files"][0]["path"].endswith("broken.jpg")
-    assert report["classes"] == ["blue things", "red things"]
-    assert report["predefined_splits"] is True
-    evaluation = json.loads((project / "metrics" / "optimized" / "eval.json").read_text())
-    assert evaluation["images"] == report["splits"]["test"]
-    # A dozen test images: the stage and compare.md say so, and claim no winner McNemar cannot back.
-    assert any("small test split" in w for w in evaluation["warnings"])
-    assert not any("carved" in w for w in evaluation["warnings"])
-    compare = json.loads((project / "metrics" / "compare.json").read_text())
-    compare_md = (project / "metrics" / "compare.md").read_text()
-    assert "small test split" in compare_md
-    assert ("is better" in compare_md) == (compare["significance"]["p_value"] < 0.05)
 
 
 def test_killed_repro_resumes_without_repeating_epochs(project, tmp_path):
