@@ -15,10 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from cnnpipe.config import DataConfig
 from cnnpipe.data.splits.held_out import open_compared, open_judged, open_kept
-from cnnpipe.data.splits.holds import read_held_list
+from cnnpipe.data.sources.entries import DataError
+from cnnpipe.data.splits.holds import empty_list_md5, last_list, read_held_list
 from cnnpipe.data.splits.ledger import HOLD
 from cnnpipe.data.prepare import prepare
 from cnnpipe.data.store.shards import new_rows, open_split, read_index
@@ -318,3 +320,26 @@ def test_a_known_photo_relabelled_is_checked_like_a_new_one_and_left_out_of_the_
     (tmp_path / "catalog" / "red").rename(tmp_path / "catalog" / "scarlet")
     renamed = prepare(cfg, 0, prepared, tmp_path / "report.json", renamed={"red": "scarlet"})
     assert sum(renamed["holds"]["relabelled"].values()) == 0  # red's photos are scarlet's now, on purpose
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_a_fresh_clone_reruns_a_check_that_listed_nothing_and_is_refused_one_that_listed_photos(tmp_path, listed):
+    """A fresh clone (no DVC cache, no remote) whose dvc.lock records the delivery list of the very store
+    its prepare rebuilt: a list of no photo (the demo's, before any champion: its header row alone) holds
+    nothing, so the check reruns; a list with photos in it is refused, naming it (its holds would be lost)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q", "--no-scm"], cwd=project, check=True,
+                   env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+    store, listed_md5 = "0" * 32 + ".dir", ("1" * 32 if listed else empty_list_md5())
+    lock = {"schema": "2.0", "stages": {
+        "prepare": {"cmd": "prepare", "outs": [{"path": "data/prepared", "hash": "md5", "md5": store}]},
+        "delivery": {"cmd": "check", "deps": [{"path": "data/prepared", "hash": "md5", "md5": store}],
+                     "outs": [{"path": "data/delivery/flagged.csv", "hash": "md5", "md5": listed_md5, "size": 64}]}}}
+    (project / "dvc.lock").write_text(yaml.safe_dump(lock))
+    if listed:
+        with pytest.raises(DataError, match="dvc.lock records the delivery list data/delivery/flagged.csv"):
+            last_list(project / "data" / "delivery" / "flagged.csv", project / "data" / "prepared", recheck=False)
+    else:
+        assert last_list(project / "data" / "delivery" / "flagged.csv", project / "data" / "prepared",
+                         recheck=False) == (None, None)

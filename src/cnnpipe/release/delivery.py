@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from cnnpipe.data.splits.held_out import read_cleared, store_mark, subset
-from cnnpipe.data.splits.holds import among
+from cnnpipe.data.splits.holds import LIST_COLUMNS, among
 from cnnpipe.data.store.meta import in_folder, split_keys, split_meta
 from cnnpipe.data.store.shards import PreparedSplit, SPLITS, new_rows, open_split, read_index
 from cnnpipe.files import CHAMPION_FILE, write_json
@@ -62,8 +62,6 @@ from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, stor
 from cnnpipe.train.trained import load_trained
 
 FIRST_FILES = 100  # how many flagged files delivery.json names (the list file has them all)
-LIST_COLUMNS = ["source", "sha256", "split", "given", "predicted", "confidence", "held_out", "status"]
-"""`status`: flagged (by this check), held (by the ledger since an earlier week) or cleared (by a person)."""
 
 
 def calibrated_answers(model: torch.nn.Module, meta: dict[str, Any], split: PreparedSplit,

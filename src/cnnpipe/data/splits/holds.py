@@ -17,6 +17,8 @@ trained model records) and whether its bytes were ever in a training split (`<sp
 from __future__ import annotations
 
 import csv
+import hashlib
+import io
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,6 +42,19 @@ def read_cleared(path: Path | None) -> np.ndarray:
         return cleared_digests(path)
     except ValueError as exc:
         raise DataError(str(exc)) from exc
+
+
+LIST_COLUMNS = ["source", "sha256", "split", "given", "predicted", "confidence", "held_out", "status"]
+"""The delivery list's columns (data/delivery/flagged.csv): the delivery stage writes it, prepare reads it.
+`status`: flagged (by this check), held (by the ledger since an earlier week) or cleared (by a person)."""
+
+
+def empty_list_md5() -> str:
+    """The md5 of a delivery list with no rows (its header row alone, as csv writes it): what dvc.lock
+    records for a check that listed no photo."""
+    header = io.StringIO(newline="")
+    csv.DictWriter(header, fieldnames=LIST_COLUMNS).writeheader()
+    return hashlib.md5(header.getvalue().encode()).hexdigest()
 
 
 def read_held_list(path: Path | None) -> dict[str, str]:
@@ -163,7 +178,7 @@ def last_list(path: Path | None, store: Path, recheck: bool = True) -> tuple[Pat
     if path.exists():
         return path, None
     out = next(o for o in checker["outs"] if o.get("path") == rel)
-    if "md5" not in out:
+    if "md5" not in out or out["md5"] == empty_list_md5():  # (a list of no photo holds none: nothing to fetch)
         return None, None
     cached = cached_file(root, out)
     if cached.is_file():
