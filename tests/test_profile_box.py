@@ -211,6 +211,10 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
         now[0] += (warmup + steps) * 0.012 * s.images_per_step
         return [0.012 * s.images_per_step] * steps, {"forward": 1.0}, 1.0
 
+    def first_step(s):
+        now[0] += 0.012 * s.images_per_step
+        return 0.012 * s.images_per_step
+
     def trials(ctx, recommended, grow_batch):
         seen["trials"] = (ctx.cfg.train.batch_size, ctx.base.cfg.train.batch_size, grow_batch)
         return [Trial("channels_last", {"channels_last": False}, 1.0)]
@@ -220,6 +224,7 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
         return []
 
     fakes = {"build_setup": fake_setup, "probe_per_image": lambda s, images: 0.012, "timed_steps": timed,
+             "first_step_s": first_step, "checkpoint_write_s": lambda s, folder: 0.5,
              "trace_window": lambda *a: {"host_syncs_per_step": 0.0, "gpu_busy_frac": None, "tensor_core_frac": None,
                                          "recorded_steps": 1, "op_events": []},
              "count_step": lambda s, per_image_s, share_s: StepCount({}, {}, "faked"),
