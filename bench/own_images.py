@@ -31,6 +31,9 @@ from PIL import Image, ImageDraw
 sys.path.insert(0, str(Path(__file__).parent))
 from project_copy import copy_project  # noqa: E402  (a sibling bench script)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from slowest_tests import stage_times  # noqa: E402  (the suite's reader of the stage log)
+
 
 def make_photos(out: Path, classes: int, per_class: int, seed: int = 0) -> None:
     """`classes` folders of `per_class` 320x240 JPEGs (skipped when the tree is already there)."""
@@ -68,15 +71,9 @@ def run(cmd: list[str], cwd: Path, stage_log: Path) -> float:
 
 
 def stage_seconds(stage_log: Path) -> dict[str, float]:
-    """Each stage's command, start to end (what the plan predicts; DVC's own work is the rest)."""
-    starts, spans = {}, {}
-    for line in stage_log.read_text().splitlines():
-        record = json.loads(line)
-        if record["event"] == "start":
-            starts[record["stage"]] = record["t"]
-        elif record["stage"] in starts:
-            spans[record["stage"]] = record["t"] - starts[record["stage"]]
-    return spans
+    """Each stage's command, start to end (what the plan predicts; DVC's own work is the rest), as the
+    suite's own reader pairs the log's lines (`scripts/slowest_tests.py`; outside pytest the test is "")."""
+    return {stage: sum(run or 0.0 for run in runs) for stage, runs in stage_times(stage_log).get("", {}).items()}
 
 
 def main() -> int:
