@@ -3,16 +3,13 @@ for good) + metrics/data_report.json."""
 
 import argparse
 import sys
-import time
 from pathlib import Path
-
-import psutil
 
 from cnnpipe.data.sources.idx import DatasetMissing
 from cnnpipe.data.prepare import DataError, prepare
 from cnnpipe.data.ingest.workers import DecodersFailed
-from cnnpipe.files import write_json
 from cnnpipe.params import ParamsError, data_config, load_params, release_config
+from cnnpipe.uptime import process_seconds
 
 
 def main() -> int:
@@ -31,13 +28,11 @@ def main() -> int:
                          Path(args.ledger) if args.ledger else None,
                          held_out=Path(args.held_out) if args.held_out else None,
                          cleared=Path(args.cleared) if args.cleared else None,
-                         renamed=dict(release_config(raw).renamed))
+                         renamed=dict(release_config(raw).renamed),
+                         clock=process_seconds)  # the stage's time, imports included: the plan counts it
     except (ParamsError, DataError, DatasetMissing, DecodersFailed) as exc:
         print(f"prepare: {exc}", file=sys.stderr)
         return 2
-    # what the stage took, imports included: the plan counts it in run.budget_minutes
-    report["stage_time_s"] = round(time.time() - psutil.Process().create_time(), 1)
-    write_json(Path(args.report), report)
     print(f"prepare: {report['splits']} ({report['num_bad']} bad files, {len(report['leakage'])} leaked duplicates)")
     if report.get("recovered"):
         print(f"prepare: {report['recovered']}")

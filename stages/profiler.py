@@ -10,7 +10,7 @@ from pathlib import Path
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from cnnpipe.models import WeightsUnavailable
-from cnnpipe.monitor import process_seconds
+from cnnpipe.uptime import process_seconds
 from cnnpipe.params import ParamsError, load_params, resolve, run_config
 from cnnpipe.profile.run import profile_variant, save_profile, summary
 from cnnpipe.train.distributed import init_distributed

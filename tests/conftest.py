@@ -159,9 +159,9 @@ def tiny_params(**train_overrides) -> dict:
 SMALLEST_PROFILE = 0.001
 """`profile.budget_share` for the end-to-end tests that check what the pipeline does with a profile, not
 what the profile measures: a time box of a second or less at any budget, less than the stage's start-up,
-so each profile measures the least it can (a probe, two steps at batch 16 or less, a two-step trace, one
-inference call) and times no trial (each is noted as out of time). A profile with its trials took ~18 s
-of every such `dvc repro` here, two per repro. What the profile measures is tested in test_profile.py,
+so each profile measures the least it can (a probe, two steps at the recipe's batch or at 64, the
+smallest training runs at, a two-step trace, one inference call) and times no trial (each is noted
+as out of time). A profile with its trials took ~18 s of every such `dvc repro` here, two per repro. What the profile measures is tested in test_profile.py,
 test_profile_box.py and test_gpu_ready.py, and its trials through `dvc repro` in test_pipeline.py's
 test_profile_params_retrain_only_when_the_tuned_values_change."""
 

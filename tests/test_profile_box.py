@@ -10,6 +10,7 @@ import cnnpipe.profile.run as run
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.box import (
     BASE_SHARE,
+    MIN_BASE_BATCH,
     MIN_MEASURE_BATCH,
     TRACE_SHARE,
     BoxPlan,
@@ -27,6 +28,7 @@ from cnnpipe.profile.roofline import Peaks
 from cnnpipe.profile.run import profile_variant, summary
 from cnnpipe.profile.trials import Trial, TrialContext
 from cnnpipe.train.distributed import DistInfo
+from cnnpipe.train.schedule import MIN_BATCH
 from conftest import tiny_params, write_params
 
 SLEEP_PER_IMAGE = 0.008
@@ -120,7 +122,9 @@ def test_the_box_picks_the_largest_batch_whose_base_fits():
     assert measure_batch(per_image, 256, 60.0) == 256  # 3 steps: 7.7 s of a 9 s share
     assert measure_batch(per_image, 256, 30.0) == 128  # ... of a 4.5 s share: 3.8 s at 128
     assert 3 * per_image * measure_batch(per_image, 256, 30.0) <= BASE_SHARE * 30.0
-    assert measure_batch(per_image, 256, 1.0) == MIN_MEASURE_BATCH  # never below the floor
+    # Never below the smallest batch training runs at (`train.min_steps` halves to 64), even where
+    # three steps there overrun the box: the plan predicts training from this batch's images/s.
+    assert measure_batch(per_image, 256, 1.0) == MIN_BASE_BATCH == MIN_BATCH
     assert measure_batch(per_image, 8, 1.0) == 8  # nor above the recipe's own
     assert steps_within(None, 1.0, 6, 2) == 6 and steps_within(3.0, 1.0, 6, 2) == 3
     assert steps_within(0.5, 1.0, 6, 2) == 2
@@ -189,9 +193,9 @@ def test_the_plan_sizes_each_part_from_what_the_box_has_left_when_it_is_reached(
 def test_a_box_too_small_at_any_batch_says_the_box_it_would_need(tmp_path):
     p = config(tmp_path).profile
     plan = BoxPlan.after_probe(TimeBox(100.0, now=lambda: 99.0), p, 256, 1, probe_s=0.01, setup_s=1.0)
-    # 1 s left: three steps at the floor of 16 (0.48 s) exceed the base's 0.15 s share
-    assert plan.batch == MIN_MEASURE_BATCH and plan.too_small
-    assert plan.needed_s(100.0) == pytest.approx(99.0 + 3 * 0.01 * 16 / BASE_SHARE)
+    # 1 s left: three steps at the floor of 64 (1.92 s) exceed the base's 0.15 s share
+    assert plan.batch == MIN_BASE_BATCH and plan.too_small
+    assert plan.needed_s(100.0) == pytest.approx(99.0 + 3 * 0.01 * 64 / BASE_SHARE)
     assert plan.needed_s(None) is None
 
 

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import resource
 import threading
-import time
 import warnings
 
-import psutil
 import torch
-
-
-def process_seconds() -> float:
-    """Wall seconds since this process started, imports included: what a stage costs the run."""
-    return time.time() - psutil.Process().create_time()
 
 
 def peak_mem_mb(device: torch.device) -> float:

@@ -296,12 +296,13 @@ def _ledger_update(ledger: Ledger, records: np.ndarray, paths: list[str], reset:
 # --------------------------------------------------------------------------- entry point
 def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger_dir: Path | None = None,
             held_out: Path | None = None, cleared: Path | None = None,
-            renamed: dict[str, str] | None = None) -> dict[str, Any]:
+            renamed: dict[str, str] | None = None, clock: Callable[[], float] | None = None) -> dict[str, Any]:
     """Write the prepared data set to `out_dir`, its split ledger to `ledger_dir` (default: beside
     it, `<out_dir>_ledger`) and the data report to `report_path`. The photos the last delivery list
     `held_out` holds out, and those the ledger already holds, stay held under their label unless
     cleared in `cleared` (`data.splits.holds`). A photo whose label changed (other than by a class
-    `renamed` on purpose, old -> new) is marked so, and new to the delivery check.
+    `renamed` on purpose, old -> new) is marked so, and new to the delivery check. `clock`: the
+    seconds the stage has taken so far, recorded as the report's `stage_time_s` (the plan counts it).
 
     The new store and ledger are written beside the old ones (`<name>.new`) and swapped in by renames
     (`swap`), so no file of the old store is ever rewritten: a trainer that has it memory-mapped (a
@@ -373,5 +374,7 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, report_path: Path, ledger
     if (work / STAT_FILE).exists():  # this machine's stat cache of the store now in place (`meta`)
         os.replace(work / STAT_FILE, stat_cache(out_dir))
     shutil.rmtree(work, ignore_errors=True)
+    if clock is not None:
+        report["stage_time_s"] = round(clock(), 1)
     write_json(report_path, report)
     return report

@@ -24,7 +24,7 @@ from cnnpipe.data.loaders.host import build_eval_loader
 from cnnpipe.data.splits.draw import balanced_subset
 from cnnpipe.data.store.shards import open_split, read_index
 from cnnpipe.files import write_json
-from cnnpipe.monitor import process_seconds
+from cnnpipe.uptime import process_seconds
 from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, store_recipe
 from cnnpipe.train.trained import Calibrated, load_trained, make_transform
 

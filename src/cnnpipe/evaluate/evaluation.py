@@ -23,7 +23,8 @@ from cnnpipe.evaluate.metrics import (
 )
 from cnnpipe.evaluate.stats import SMALL_TEST, wilson_interval
 from cnnpipe.files import write_json
-from cnnpipe.monitor import peak_mem_mb, process_seconds
+from cnnpipe.monitor import peak_mem_mb
+from cnnpipe.uptime import process_seconds
 from cnnpipe.train.engine import forward_times, predict, topk_correct
 from cnnpipe.train.trained import load_trained, make_transform
 

@@ -5,10 +5,11 @@ sizes each part to a share of what the box has left, so the stage ends inside it
 size, batch or device:
 
 - the base measurement: `BASE_SHARE`, at the recipe's batch when three steps fit there, else at the
-  largest halved batch where they do (never under `MIN_MEASURE_BATCH`); a recipe measured at a
-  smaller batch is reported per image, by the rule that a step's time grows in proportion to its
-  batch (a rule, not a law: on a 2-core Xeon batch 256 ran 1.12x faster per image than 128 at 32 px,
-  and 1.43x slower than 64 at 128 px);
+  largest halved batch where they do, never under `MIN_BASE_BATCH` (the smallest batch training
+  runs at), even when that overruns the box; a recipe measured at a smaller batch is reported per
+  image, by the rule that a step's time grows in proportion to its batch (a rule, not a law: on a
+  2-core Xeon batch 256 ran 1.12x faster per image than 128 at 32 px, and 1.43x slower than 64 at
+  128 px, which is why the base never goes under the batches training can run at);
 - the trace window: `TRACE_SHARE`, fewer active steps when steps are slow;
 - the roofline: `ROOFLINE_SHARE`, half for one step's FLOP count (at a halved batch when a step is
   slower than that) and half for the machine's three peaks (`profile/peaks.py`);
@@ -34,6 +35,7 @@ from typing import Callable
 
 from cnnpipe.config import ProfileConfig
 from cnnpipe.profile.clock import TrialClock, block_steps, trial_window
+from cnnpipe.train.schedule import MIN_BATCH
 
 BASE_SHARE = 0.15
 TRACE_SHARE = 0.12
@@ -41,8 +43,14 @@ ROOFLINE_SHARE = 0.06
 SMALLER_SHARE = 0.25
 TAIL_SHARE = 0.08
 MIN_MEASURE_BATCH = 16
-"""The smallest batch the profile measures at: below it BatchNorm's statistics and a step's fixed
-costs (the optimizer's update of 25M weights) make a per-image figure unrepresentative."""
+"""The smallest batch the trials run at: below it BatchNorm's statistics and a step's fixed costs
+(the optimizer's update of 25M weights) make even a ratio of two settings unrepresentative."""
+MIN_BASE_BATCH = MIN_BATCH
+"""The smallest batch the base measurement runs at: the smallest `train.min_steps` halves training
+to. The plan predicts training from the base's images/s, and per image a step's speed depends on the
+batch: on the 2-core AMD EPYC at 128 px the base measured at 16 (fp32) and 32 (bf16) put training at
+batch 64 1.18x and 0.77x off its prediction (`python bench/own_images.py --budget 8 --per-class 450`).
+A small box is overrun rather than measure a batch training never runs at."""
 PROBE_IMAGES = 32
 """Images in the probe step that sizes everything else (a slice of the recipe's first batch). Its
 per-image cost carries the step's fixed costs (the optimizer's update of 25M weights) over 32 images,
@@ -80,10 +88,10 @@ class TimeBox:
 
 def measure_batch(per_image_s: float, batch: int, left_s: float | None) -> int:
     """The batch the base measurement runs at: `batch`, halved while `BASE_STEPS` steps there would
-    take more than `BASE_SHARE` of `left_s`, never under `MIN_MEASURE_BATCH` (nor over `batch`)."""
+    take more than `BASE_SHARE` of `left_s`, never under `MIN_BASE_BATCH` (nor over `batch`)."""
     if left_s is None:
         return batch
-    floor = min(batch, MIN_MEASURE_BATCH)
+    floor = min(batch, MIN_BASE_BATCH)
     while batch > floor and BASE_STEPS * per_image_s * batch > BASE_SHARE * left_s:
         batch = max(floor, batch // 2)
     return batch
@@ -298,4 +306,4 @@ class BoxPlan:
         """The box (of `box_s`) a base at the smallest measured batch would need, when this one is too small."""
         if not self.too_small or box_s is None or self.left is None or not box_s - self.left:
             return None
-        return needed_box_s(self.probe_s, min(self.recipe_batch, MIN_MEASURE_BATCH), box_s - self.left)
+        return needed_box_s(self.probe_s, min(self.recipe_batch, MIN_BASE_BATCH), box_s - self.left)

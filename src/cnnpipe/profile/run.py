@@ -18,7 +18,8 @@ import yaml
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.store.shards import open_split
 from cnnpipe.files import write_json, write_text
-from cnnpipe.monitor import peak_mem_mb, process_seconds, reset_peak_memory
+from cnnpipe.monitor import peak_mem_mb, reset_peak_memory
+from cnnpipe.uptime import process_seconds
 from cnnpipe.profile.box import PROBE_IMAGES, ROOFLINE_SHARE, TAIL_SHARE, BoxPlan, TimeBox
 from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose

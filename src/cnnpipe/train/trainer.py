@@ -18,7 +18,8 @@ from cnnpipe.data.splits.draw import balanced_subset
 from cnnpipe.data.store.shards import data_fingerprint, read_index
 from cnnpipe.files import file_sha256, write_json
 from cnnpipe.hardware import usable_cores
-from cnnpipe.monitor import GpuUtilSampler, process_seconds
+from cnnpipe.monitor import GpuUtilSampler
+from cnnpipe.uptime import process_seconds
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train.budget import epochs_to_train, fit_batch_to_steps
 from cnnpipe.train.distributed import DistInfo, check_same_settings, local_world_size, sync_buffers, unwrap
