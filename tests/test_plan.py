@@ -286,6 +286,10 @@ def test_the_plan_trains_at_the_speed_the_trials_measured_throughout_the_profile
                "trials": [{"before_img_s": v} for v in (269.0, 300.0, 278.0, 236.0, 257.0, 0.0)],
                "combined_trial": None, "smaller_batches": [{"before_img_s": 248.0}, {"before_img_s": 246.0}]}
     assert recipe_from_profile(cfg, profile).train_img_s == pytest.approx(257.0)
+    # Trials at a halved batch time that batch, not the base's: the smaller batches' blocks of the base count.
+    at_half = {**profile, "batch_size": 64, "trial_batch": 32}
+    assert recipe_from_profile(cfg, at_half).train_img_s == pytest.approx(247.0)
+    assert recipe_from_profile(cfg, {**at_half, "smaller_batches": []}).train_img_s == pytest.approx(331.0)
 
 
 # --------------------------------------------------------------------------- train.epochs: auto

@@ -149,8 +149,12 @@ def steady_speed(profile: dict[str, Any]) -> float:
     """The profiled setup's training speed: the median of every trial's blocks of the current
     setting, which span the whole profile (minutes), rather than its first timed window (seconds).
     These VMs drift by tens of percent within minutes: the first window read 331 img/s where training
-    then ran 256, and the trials' median 257."""
-    trials = profile.get("trials", []) + [profile.get("combined_trial") or {}] + profile.get("smaller_batches", [])
+    then ran 256, and the trials' median 257. Trials run at a halved batch (`trial_batch`, a box too
+    small for one at the base's) time another batch's speed: then only the smaller batches' paired
+    blocks of the base count."""
+    at_base = profile.get("trial_batch", profile.get("batch_size")) == profile.get("batch_size")
+    trials = profile.get("trials", []) + [profile.get("combined_trial") or {}] if at_base else []
+    trials += profile.get("smaller_batches", [])
     blocks = [t["before_img_s"] for t in trials if t.get("before_img_s")]
     return statistics.median(blocks) if blocks else profile["throughput_img_s"]
 
