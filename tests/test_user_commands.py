@@ -16,7 +16,7 @@ at 28 px and 60 photos, at the shipped budget (`train.epochs: auto` takes the pl
 recipe's batch halves to what 46 training photos fill), with the profiles' smallest share of it. One
 such run (`user_run`, built once per test run) serves every block after it. The manifest route runs at
 the README's own sizes (the 160 px JPEG store) and the shipped profile share of a five-minute
-`run.budget_minutes`, and checks that the profiles' trials ran there.
+`run.budget_minutes`, and checks that the optimized profile's trials ran there.
 
 The first model is judged on the shipped floors (top-1 0.5): the photos are four colours far apart, and
 the plan's epochs learn them.
@@ -351,7 +351,7 @@ def test_a_manifest_with_its_own_splits_reaches_training(user_run, tmp_path):
     the source's now: none is carved out of train, the small test split is still said.
 
     It runs at the block's own sizes (`AT_THE_READMES_SIZES`): the store is JPEG at 160 px, and each profile
-    has the shipped share of the budget, in which its trials run on that store."""
+    has the shipped share of a five-minute budget, in which the optimized recipe's trials run on that store."""
     built, _ = user_run
     shutil.copytree(built, tmp_path / "user", symlinks=True)
     project, home = tmp_path / "user" / "project", tmp_path / "user" / "home"
@@ -392,17 +392,17 @@ def test_a_manifest_with_its_own_splits_reaches_training(user_run, tmp_path):
     # The README's store: JPEG at 160 px (`data.encoding: auto`), read by every stage after it.
     index = json.loads((project / "data" / "prepared" / "index.json").read_text())
     assert index["encoding"] == "jpeg" and index["size"] == 160, {k: index.get(k) for k in ("encoding", "size")}
-    # Each profile's box, the shipped share of the five minutes, held trials timed on that store.
+    # Each profile's box is the shipped share of the five minutes; the optimized recipe's, whose `auto` knobs
+    # the trials tune, held trials timed on that store (the baseline's slower steps may leave room for none).
     params = yaml.safe_load((project / "params.yaml").read_text())
     box_s = params["profile"]["budget_share"] * params["run"]["budget_minutes"] * 60
     shipped = yaml.safe_load((ROOT / "params.yaml").read_text())["profile"]["budget_share"]
     assert params["profile"]["budget_share"] == shipped and params["run"]["budget_minutes"] == 5, params["profile"]
     for variant in ("baseline", "optimized"):
         profile = json.loads((project / "metrics" / "profile" / f"{variant}.json").read_text())
-        assert profile["image_size"] == 128, (variant, profile["image_size"])
-        timed = [t["change"] for t in profile["trials"] if t["speedup"] > 0 and t["before_img_s"] > 0]
-        assert profile["time_box_s"] == pytest.approx(box_s) and timed, (variant, profile["trial_window_s"],
-                                                                           profile["trials"])
+        assert profile["image_size"] == 128 and profile["time_box_s"] == pytest.approx(box_s), variant
+    trials = json.loads((project / "metrics" / "profile" / "optimized.json").read_text())["trials"]
+    assert any(t["speedup"] > 0 and t["before_img_s"] > 0 for t in trials), trials
 
 
 def test_a_fresh_clone_says_what_it_lacks_and_prepares_own_photos_twice(tmp_path):
