@@ -128,11 +128,11 @@ def test_copies_of_a_run_block_hold_its_commands():
 
 
 def test_the_clone_tiers_overrides_are_each_listed_with_why():
-    """docs/testing.md's table names every `-S` override the clone tier appends to the README's command,
-    and nothing else, each with a reason."""
-    from test_user_commands import TINY
+    """docs/testing.md's table names every `-S` override the clone tier appends to the README's command
+    (the shared run's and the manifest route's), and nothing else, each with a reason."""
+    from test_user_commands import AT_THE_READMES_SIZES, TINY
 
     text = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| `([\w.]+)` \| (.+?) \| (.+?) \|$", text, flags=re.MULTILINE)
-    assert {key for key, _, _ in rows} == {flag.split("=", 1)[0] for flag in TINY}
-    assert all(len(why.split()) >= 3 and kind in ("time", "environment", "*to go*") for _, why, kind in rows)
+    assert {key for key, _, _ in rows} == {flag.split("=", 1)[0] for flag in TINY + AT_THE_READMES_SIZES}
+    assert all(len(why.split()) >= 3 and kind in ("time", "environment", "a user's knob") for _, why, kind in rows)

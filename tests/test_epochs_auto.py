@@ -129,15 +129,17 @@ def test_early_stop_keeps_the_best_epoch_in_best_pt_and_says_why(tmp_path, prepa
 
 def test_a_catalog_smaller_than_the_batch_is_profiled_at_the_batch_training_halves_to(tmp_path, prepared):
     """212 photos and the optimized recipe's batch 256: no step fits an epoch, so training halves the
-    batch (train.min_steps); the profile measures the largest halving that fits instead of failing."""
+    batch; the profile measures the largest halving that fits instead of failing."""
     cfg = auto_config(tmp_path, {}, batch_size=256, min_steps=300)
     assert fit_batch_to_split(cfg, 212, 1).train.batch_size == 128
     assert fit_batch_to_split(cfg, 212, 2).train.batch_size == 64  # 106 images per process
     assert fit_batch_to_split(cfg, 100, 1).train.batch_size == 64  # none fits: the smallest, the loader says so
     assert fit_batch_to_split(cfg, 54_000, 1) is cfg
     assert fit_batch_to_split(cfg.with_train(images_per_epoch=200), 54_000, 1).train.batch_size == 128
+    assert fit_batch_to_split(cfg, 45, 1).train.batch_size == 32  # under 64 only as far as one step needs
     fixed = cfg.with_train(min_steps=None)
-    assert fit_batch_to_split(fixed, 212, 1) is fixed  # no halving allowed: the params' batch, as before
+    assert fit_batch_to_split(fixed, 54_000, 1) is fixed
+    assert fit_batch_to_split(fixed, 212, 1).train.batch_size == 128  # whatever min_steps: training halves too
     n_train = len(open_split(prepared, "train"))
     big = auto_config(tmp_path, {}, batch_size=1024, min_steps=300)
     result = profile_variant(big, DistInfo(), prepared, tmp_path / "logs", False, time_box_s=20.0)

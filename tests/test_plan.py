@@ -31,7 +31,7 @@ from cnnpipe.plan.plan import (
 from cnnpipe.plan.text import to_text
 from cnnpipe.train import pacing
 from cnnpipe.train.budget import apply_budget
-from cnnpipe.train.schedule import MIN_BATCH, batch_for_steps, steps_per_run
+from cnnpipe.train.schedule import MIN_BATCH, SMALLEST_BATCH, batch_for_split, batch_for_steps, steps_per_run
 from conftest import ROOT, tiny_params, write_params
 
 # Fashion-MNIST's split sizes and this machine's measured speeds (dvc.lock run, img/s).
@@ -225,6 +225,19 @@ def test_min_steps_halves_the_batch_down_to_the_floor():
     # Processes and accumulation multiply the global batch: fewer steps, so halved further.
     assert batch_for_steps(256, 150, 4864, 4, world_size=2) == 64
     assert steps_per_run(4864, 4, 64, world_size=2, accum_steps=2) == 4 * (2432 // 64 // 2)
+
+
+def test_a_split_smaller_than_one_batch_halves_it_only_until_an_epoch_fills_one_step():
+    # 45 training photos (a small folder): batch 64, the floor of min_steps, takes no step at all.
+    assert steps_per_run(45, 4, MIN_BATCH) == 0
+    assert batch_for_split(256, 45) == batch_for_steps(256, 300, 45, 4) == 32  # one step an epoch, not more
+    assert batch_for_steps(64, None, 45, 4) == 32  # the baseline's fixed batch too: else no step
+    assert steps_per_run(45, 4, batch_for_steps(256, 300, 45, 4)) == 4
+    assert batch_for_split(256, 45, world_size=2) == 16  # 22 images per process
+    assert batch_for_split(256, 45, accum_steps=2) == 16  # a step of two micro-batches
+    assert batch_for_split(256, 5) == SMALLEST_BATCH  # the floor: the loader names the batch that does not fit
+    assert batch_for_split(256, 300) == 256 and batch_for_split(64, 64) == 64  # an epoch of one step or more: kept
+    assert batch_for_steps(256, None, 300, 4) == 256 and batch_for_steps(256, 300, 100, 4) == MIN_BATCH
 
 
 def test_the_plan_predicts_the_smaller_batch_at_its_measured_speed():

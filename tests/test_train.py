@@ -58,6 +58,14 @@ def test_min_steps_halves_the_batch_of_a_short_run(tmp_path, prepared):
     assert plain["global_batch"] == 128 and plain["optimizer_steps"] == 4 and plain["batch_note"] == ""
 
 
+def test_an_epoch_smaller_than_one_batch_trains_at_the_halving_that_fills_one_step(tmp_path, prepared):
+    # 40 images an epoch (a small folder of photos) at the baseline's fixed batch 64: no step would fit;
+    # the batch halves to 32, one step an epoch, whatever min_steps (here none).
+    summary = fit(run_config(tmp_path, batch_size=64, images_per_epoch=40, min_steps=None), prepared, tmp_path)
+    assert summary["global_batch"] == 32 and summary["optimizer_steps"] == 2
+    assert "halved to 32: an epoch holds fewer images than one batch" in summary["batch_note"], summary["batch_note"]
+
+
 def test_training_learns_the_synthetic_task(tmp_path, prepared):
     """The synthetic classes are a bright 8x5 block at one of ten places on faint noise: far apart.
     Over 6 epochs the best on 64 validation images was 0.94-1.0 on four seeds, and every epoch from

@@ -164,7 +164,9 @@ class TrainConfig:
     """Early stop: end training once validation top-1 has not improved for this many epochs (best.pt
     keeps the best epoch's weights; train.json says when and why it stopped); null = train every epoch."""
     batch_size: int = 256
-    """Per-process batch size."""
+    """Per-process batch size. A training split that gives each process fewer images per epoch than
+    one batch (a small folder of photos) trains at the largest halving of it that fills one step,
+    down to 8, whatever `min_steps`."""
     lr: float = 0.2
     """Peak learning rate for a global batch of 256; scaled linearly with the real global batch."""
     optimizer: Literal["sgd", "adamw"] = "sgd"
@@ -247,7 +249,8 @@ class TrainConfig:
     min_steps: int | None = 300
     """Fewest optimizer steps a run should take: when the images per epoch and the processes leave
     fewer (a tight budget, a small data set, eight GPUs), the per-process batch is halved until they
-    do, down to 64, with the LR scaled along; null = keep `batch_size` whatever the run's length."""
+    do, down to 64 (lower only where an epoch holds less than one batch of 64: see `batch_size`), with
+    the LR scaled along; null = keep `batch_size` whatever the run's length."""
 
     def __post_init__(self) -> None:
         ints = {"batch_size": 1, "nproc": 1, "accum_steps": 1, "min_epochs": 1}

@@ -12,7 +12,7 @@ from typing import Any
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.files import read_yaml_mapping
-from cnnpipe.train.schedule import batch_for_steps, halved_batches
+from cnnpipe.train.schedule import batch_for_split, batch_for_steps
 
 
 def read_budget(path: Path | None) -> dict[str, Any]:
@@ -55,15 +55,10 @@ def fit_batch_to_steps(cfg: VariantConfig, n_train: int, world_size: int) -> Var
 
 
 def fit_batch_to_split(cfg: VariantConfig, n_train: int, world_size: int) -> VariantConfig:
-    """`cfg` at the largest batch `train.min_steps` may halve to that one epoch of `n_train` images fills
-    on every process: what the profile measures when a small catalog holds fewer images than
-    `train.batch_size` (training halves to at least that one, as it cannot take a single step at the
-    larger). Unchanged without `min_steps` (the loader then names the batch that does not fit)."""
+    """`cfg` at the batch one epoch of `n_train` images fills on every process: what the profile
+    measures when a small catalog holds fewer images than `train.batch_size` (training halves to the
+    same one, as it cannot take a single step at the larger: `schedule.batch_for_split`)."""
     t = cfg.train
-    if t.min_steps is None:
-        return cfg
-    images = (n_train if t.images_per_epoch is None else min(n_train, t.images_per_epoch)) // world_size
-    for batch in (t.batch_size, *halved_batches(t.batch_size)):
-        if images >= batch * t.accum_steps:
-            return cfg if batch == t.batch_size else cfg.with_train(batch_size=batch)
-    return cfg
+    images = n_train if t.images_per_epoch is None else min(n_train, t.images_per_epoch)
+    batch = batch_for_split(t.batch_size, images, world_size, t.accum_steps)
+    return cfg if batch == t.batch_size else cfg.with_train(batch_size=batch)

@@ -105,11 +105,31 @@ def halved_batches(batch_size: int) -> list[int]:
     return out
 
 
+SMALLEST_BATCH = 8
+"""The smallest batch `batch_for_split` halves to, for a training split smaller than one batch."""
+
+
+def batch_for_split(batch_size: int, images_per_epoch: int, world_size: int = 1, accum_steps: int = 1) -> int:
+    """`batch_size`, or where an epoch gives each process fewer images than one optimizer step takes,
+    the largest halving of it that fills one (a small folder of photos), never below `SMALLEST_BATCH`.
+
+    Under `MIN_BATCH` only as far as one full step per epoch needs: more steps at a smaller batch is
+    `train.min_steps`'s rule, and it stops at the floor. Below `SMALLEST_BATCH` images per process
+    the loader's error names the batch that does not fit.
+    """
+    per_process = images_per_epoch // world_size
+    batch = batch_size
+    while batch * accum_steps > per_process and batch // 2 >= SMALLEST_BATCH:
+        batch //= 2
+    return batch
+
+
 def batch_for_steps(batch_size: int, min_steps: int | None, images_per_epoch: int, epochs: int,
                     world_size: int = 1, accum_steps: int = 1) -> int:
     """The per-process batch that gives the run at least `min_steps` optimizer steps.
 
-    `batch_size` is halved until the run has them, never below `MIN_BATCH` (nor above `batch_size`);
+    `batch_size` is halved until the run has them, never below `MIN_BATCH` (nor above `batch_size`)
+    unless an epoch holds less than one batch there (`batch_for_split`, also without `min_steps`);
     the LR follows through the linear scaling rule. Early in training from scratch the batch that
     still learns as much per image is small, so a run of few steps at a large batch learns less:
     measured at 1/8 of Fashion-MNIST per epoch, 4 epochs, validation top-1 was 75.4% at batch 256
@@ -118,11 +138,11 @@ def batch_for_steps(batch_size: int, min_steps: int | None, images_per_epoch: in
     (eight GPUs at batch 256 take 26 steps per epoch of Fashion-MNIST, and a warm-up of 8).
     """
     if min_steps is None:
-        return batch_size
+        return batch_for_split(batch_size, images_per_epoch, world_size, accum_steps)
     for batch in (batch_size, *halved_batches(batch_size)):
         if steps_per_run(images_per_epoch, epochs, batch, world_size, accum_steps) >= min_steps:
             return batch
-    return batch
+    return batch_for_split(batch, images_per_epoch, world_size, accum_steps)
 
 
 def early_stop(history: Sequence[dict[str, Any]], patience: int | None) -> dict[str, Any] | None:
