@@ -108,9 +108,12 @@ def test_a_budget_file_that_is_not_a_mapping_says_to_rerun_the_plan(tmp_path, pr
 
 
 def test_more_accumulation_steps_than_batches_is_named(tmp_path, prepared):
-    write_params(tmp_path / "params.yaml", tiny_params(accum_steps=64, batch_size=32))
+    """An optimizer step of more images than an epoch holds: the batch halves until one step fits
+    (`schedule.batch_for_split`, down to 8); where not even batch 8 gives the step its micro-batches
+    (67 batches of 8 an epoch here, for 128 accumulation steps) the error names the key."""
+    write_params(tmp_path / "params.yaml", tiny_params(accum_steps=128, batch_size=32))
     code, err = stage(tmp_path, "train.py", "optimized", "--data", str(prepared))
-    usage_error(code, err, "train.accum_steps=64 exceeds the 16 batches per epoch")
+    usage_error(code, err, "train.accum_steps=128 exceeds the 67 batches per epoch")
 
 
 def test_a_nan_loss_under_mixup_stops_with_the_step(tmp_path, prepared, monkeypatch):
