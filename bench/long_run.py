@@ -37,16 +37,16 @@ def run_case(case: str, variant: str, steps: int, window: int, params: str, data
 
     if case == "ftz":
         torch.set_flush_denormal(True)
+    from recipe_speed import recipes  # bench/, this script's folder, is first on sys.path
+
     from cnnpipe.data.store.shards import open_split
-    from cnnpipe.params import load_params, resolve
+    from cnnpipe.params import load_params
     from cnnpipe.profile.measure import build_setup, train_step
     from cnnpipe.train.distributed import init_distributed
     from cnnpipe.train.parts import set_threads
-    from cnnpipe.train.tuning import read_tuned, resolve_auto
 
     info = init_distributed("auto")
-    cfg = resolve_auto(resolve(load_params(params), variant), info.device, read_tuned(tuned / f"{variant}_tuned.yaml"))
-    cfg = cfg.with_train(min_steps=None)
+    cfg = recipes(load_params(params), None, tuned, [], info.device)[variant]
     set_threads(cfg, info)
     s = build_setup(cfg, info, open_split(data, "train"))
     if case == "frozen":

@@ -34,8 +34,9 @@ from cnnpipe.train.parts import set_threads
 from cnnpipe.train.tuning import read_tuned, resolve_auto
 
 
-def recipes(raw: dict, batch: int, tuned_dir: Path, flips: list[str], device) -> dict[str, VariantConfig]:
-    """Baseline and optimized at `batch` (auto knobs resolved from the tuned files), plus each flip."""
+def recipes(raw: dict, batch: int | None, tuned_dir: Path, flips: list[str], device) -> dict[str, VariantConfig]:
+    """Baseline and optimized at `batch` (None: each variant's own), their auto knobs resolved from the
+    tuned files as `fit` resolves them, without `train.min_steps`' halving; plus each flip."""
     runs = {"baseline": ("baseline", {}), "optimized": ("optimized", {})}
     for flip in flips:
         key, _, text = flip.partition("=")
@@ -43,7 +44,8 @@ def recipes(raw: dict, batch: int, tuned_dir: Path, flips: list[str], device) ->
     out = {}
     for name, (variant, change) in runs.items():
         params = copy.deepcopy(raw)  # a flip goes through params validation, as `dvc exp run -S` would
-        params["variants"][variant].setdefault("train", {}).update(change, batch_size=batch, min_steps=None)
+        train = params["variants"][variant].setdefault("train", {})
+        train.update(change, min_steps=None, **({} if batch is None else {"batch_size": batch}))
         tuned = read_tuned(tuned_dir / f"{variant}_tuned.yaml")
         out[name] = resolve_auto(resolve(params, variant), device, tuned)
     return out
