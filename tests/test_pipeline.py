@@ -243,13 +243,13 @@ def test_a_new_local_weights_file_reruns_training(project):
 def test_a_tight_budget_shrinks_every_variant_alike(project):
     """run.budget_minutes below what the plan predicts: fewer images per epoch, the same for both.
 
-    200 epochs of the tiny split take minutes, over the 1-minute floor of run.budget_minutes; how
-    far the plan shrinks them depends on this machine's measured speeds (the plan's own rules,
-    OVER budget included, are tested on fixed numbers in test_plan.py).
+    40 epochs of the tiny split with the stages around them take over the 1-minute floor of
+    run.budget_minutes; how far the plan shrinks them depends on this machine's measured speeds (the
+    plan's own rules, OVER budget included, are tested on fixed numbers in test_plan.py).
     """
     from cnnpipe.plan.plan import LADDER
 
-    params = tiny_params(epochs=200)
+    params = tiny_params(epochs=40)
     params["data"]["stored_size"] = 32
     params["run"] = {"budget_minutes": 1}
     write_params(project / "params.yaml", params)
