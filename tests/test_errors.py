@@ -1,14 +1,23 @@
 """What a user sees when something is missing or wrong: each stage's CLI exits with code 2 and a
-message that names the file or the params key and what to do (never a traceback)."""
+message that names the file or the params key and what to do (never a traceback).
+
+The stages run in this process (`stage`): the same script, arguments, working folder and
+`sys.exit(main())` as dvc.yaml's command line, without a fresh interpreter's ~5 s of importing torch
+and timm per case. The process boundary itself is tested where it matters: test_weights.py runs the
+profile and train stages as subprocesses on bad weights, and every `dvc repro` test runs them all.
+"""
 
 from __future__ import annotations
 
 import json
-import subprocess
+import runpy
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from cnnpipe.params import resolve
 from cnnpipe.train import engine
@@ -16,12 +25,32 @@ from conftest import ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
+Stage = Callable[..., tuple[int, str]]
 
-def stage(cwd: Path, script: str, *args: str) -> tuple[int, str]:
-    """Run stages/<script> as dvc.yaml does, from `cwd`; (exit code, stderr)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "stages" / script), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600)
-    return proc.returncode, proc.stderr
+
+@pytest.fixture
+def stage(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Stage:
+    """`stage(cwd, script, *args)`: stages/<script> run as `python stages/<script> *args` from `cwd`;
+    (exit code, stderr). An exception the stage does not turn into an exit code fails the test, as its
+    traceback would fail the subprocess. What a stage changes in the process is put back: the working
+    folder, argv, the environment, warning filters and torch's thread count."""
+    def run(cwd: Path, script: str, *args: str) -> tuple[int, str]:
+        path = ROOT / "stages" / script
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", [str(path), *args])
+        monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "ERROR")  # the profile stage sets it; undone after the test
+        threads = torch.get_num_threads()
+        capsys.readouterr()
+        try:
+            with warnings.catch_warnings():
+                runpy.run_path(str(path), run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        finally:
+            torch.set_num_threads(threads)
+        return code, capsys.readouterr().err
+    return run
 
 
 def usage_error(code: int, err: str, *needles: str) -> None:
@@ -35,7 +64,7 @@ def usage_error(code: int, err: str, *needles: str) -> None:
     ("prepare.py", ()), ("profiler.py", ("optimized",)), ("plan.py", ()), ("train.py", ("optimized",)),
     ("evaluate.py", ("optimized",)),
 ])
-def test_an_unknown_params_section_stops_every_stage_naming_it(tmp_path, script, args):
+def test_an_unknown_params_section_stops_every_stage_naming_it(tmp_path, script, args, stage: Stage):
     params = tiny_params()
     params["trian"] = {"lr": 0.1}  # a typo of `train`
     write_params(tmp_path / "params.yaml", params)
@@ -43,7 +72,7 @@ def test_an_unknown_params_section_stops_every_stage_naming_it(tmp_path, script,
     usage_error(code, err, "`trian`", "one of the top-level sections")
 
 
-def test_an_unknown_model_name_is_named_with_its_key(tmp_path, prepared):
+def test_an_unknown_model_name_is_named_with_its_key(tmp_path, prepared, stage: Stage):
     params = tiny_params()
     params["model"]["name"] = "resnet5O"
     write_params(tmp_path / "params.yaml", params)
@@ -51,7 +80,7 @@ def test_an_unknown_model_name_is_named_with_its_key(tmp_path, prepared):
     usage_error(code, err, "model.name='resnet5O' is not a timm model")
 
 
-def test_a_missing_weights_file_is_named(tmp_path, prepared):
+def test_a_missing_weights_file_is_named(tmp_path, prepared, stage: Stage):
     params = tiny_params()
     params["model"].update(pretrained="auto", weights_file=str(tmp_path / "nowhere.safetensors"))
     write_params(tmp_path / "params.yaml", params)
@@ -61,7 +90,7 @@ def test_a_missing_weights_file_is_named(tmp_path, prepared):
 
 @pytest.mark.parametrize("script, args", [("train.py", ("optimized",)), ("profiler.py", ("optimized",)),
                                           ("plan.py", ())])
-def test_missing_prepared_data_says_to_run_prepare(tmp_path, script, args):
+def test_missing_prepared_data_says_to_run_prepare(tmp_path, script, args, stage: Stage):
     write_params(tmp_path / "params.yaml", tiny_params())
     (tmp_path / "metrics" / "profile").mkdir(parents=True)  # the plan reads the profiles first
     for v in ("baseline", "optimized"):
@@ -71,19 +100,19 @@ def test_missing_prepared_data_says_to_run_prepare(tmp_path, script, args):
     usage_error(code, err, "data/prepared", "dvc repro prepare")
 
 
-def test_a_plan_without_a_profile_names_the_stage_to_run(tmp_path, prepared):
+def test_a_plan_without_a_profile_names_the_stage_to_run(tmp_path, prepared, stage: Stage):
     write_params(tmp_path / "params.yaml", tiny_params())
     code, err = stage(tmp_path, "plan.py", "--data", str(prepared))
     usage_error(code, err, "metrics/profile/baseline.json not found", "dvc repro profile@baseline")
 
 
-def test_a_profile_report_without_profiles_names_the_stage_to_run(tmp_path):
+def test_a_profile_report_without_profiles_names_the_stage_to_run(tmp_path, stage: Stage):
     write_params(tmp_path / "params.yaml", tiny_params())
     code, err = stage(tmp_path, "profile_report.py")
     usage_error(code, err, "baseline.json not found", "dvc repro profile@baseline")
 
 
-def test_compare_without_predictions_names_the_file(tmp_path):
+def test_compare_without_predictions_names_the_file(tmp_path, stage: Stage):
     for v in ("baseline", "optimized"):
         (tmp_path / "metrics" / v).mkdir(parents=True)
         (tmp_path / "metrics" / v / "train.json").write_text(json.dumps({"history": []}))
@@ -92,7 +121,7 @@ def test_compare_without_predictions_names_the_file(tmp_path):
     usage_error(code, err, "predictions.csv")
 
 
-def test_evaluate_and_export_without_a_model_say_to_train(tmp_path, prepared):
+def test_evaluate_and_export_without_a_model_say_to_train(tmp_path, prepared, stage: Stage):
     write_params(tmp_path / "params.yaml", tiny_params())
     code, err = stage(tmp_path, "evaluate.py", "optimized", "--data", str(prepared))
     usage_error(code, err, "models/optimized")
@@ -100,14 +129,14 @@ def test_evaluate_and_export_without_a_model_say_to_train(tmp_path, prepared):
     usage_error(code, err, "models/optimized")
 
 
-def test_a_budget_file_that_is_not_a_mapping_says_to_rerun_the_plan(tmp_path, prepared):
+def test_a_budget_file_that_is_not_a_mapping_says_to_rerun_the_plan(tmp_path, prepared, stage: Stage):
     write_params(tmp_path / "params.yaml", tiny_params())
     (tmp_path / "budget.yaml").write_text("- just\n- a list\n")
     code, err = stage(tmp_path, "train.py", "optimized", "--data", str(prepared), "--budget", "budget.yaml")
     usage_error(code, err, "budget.yaml", "dvc repro plan")
 
 
-def test_more_accumulation_steps_than_batches_is_named(tmp_path, prepared):
+def test_more_accumulation_steps_than_batches_is_named(tmp_path, prepared, stage: Stage):
     """An optimizer step of more images than an epoch holds: the batch halves until one step fits
     (`schedule.batch_for_split`, down to 8); where not even batch 8 gives the step its micro-batches
     (67 batches of 8 an epoch here, for 128 accumulation steps) the error names the key."""
