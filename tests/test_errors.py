@@ -10,6 +10,7 @@ profile and train stages as subprocesses on bad weights, and every `dvc repro` t
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import sys
 import warnings
@@ -38,16 +39,17 @@ def stage(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Sta
         path = ROOT / "stages" / script
         monkeypatch.chdir(cwd)
         monkeypatch.setattr(sys, "argv", [str(path), *args])
-        monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "ERROR")  # the profile stage sets it; undone after the test
-        threads = torch.get_num_threads()
+        environ, threads = dict(os.environ), torch.get_num_threads()
         capsys.readouterr()
         try:
             with warnings.catch_warnings():
                 runpy.run_path(str(path), run_name="__main__")
             code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except SystemExit as exc:  # sys.exit's own rule: None is 0, an int itself, anything else 1
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
         finally:
+            os.environ.clear()
+            os.environ.update(environ)
             torch.set_num_threads(threads)
         return code, capsys.readouterr().err
     return run
