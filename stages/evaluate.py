@@ -6,6 +6,7 @@ from pathlib import Path
 
 from cnnpipe.evaluate.evaluation import evaluate
 from cnnpipe.params import ParamsError, load_params, resolve
+from cnnpipe.train.budget import eval_batch, read_budget
 from cnnpipe.train.checkpoint import UnsafeCheckpoint
 from cnnpipe.train.distributed import resolve_device
 
@@ -19,12 +20,16 @@ def main() -> int:
     parser.add_argument("--metrics", default="metrics")
     parser.add_argument("--held-out", default="data/delivery/flagged.csv",
                         help="the delivery check's list: the photos it holds out (policy hold_out) are left out")
+    parser.add_argument("--budget", type=Path, default=None,
+                        help="the plan's budget.yaml: its eval_batch is the batch the test split runs at "
+                        "(default: <metrics>/plan/budget.yaml when it exists)")
     args = parser.parse_args()
     try:
         cfg = resolve(load_params(args.params), args.variant)
+        batch = eval_batch(read_budget(args.budget or Path(args.metrics) / "plan" / "budget.yaml"), args.variant)
         result = evaluate(Path(args.models) / args.variant, Path(args.data), Path(args.metrics) / args.variant,
-                          resolve_device(cfg.train.device), held_out=Path(args.held_out))
-    except (ParamsError, UnsafeCheckpoint, FileNotFoundError) as exc:
+                          resolve_device(cfg.train.device), held_out=Path(args.held_out), batch_size=batch)
+    except (ParamsError, UnsafeCheckpoint, FileNotFoundError, ValueError) as exc:
         print(f"evaluate[{args.variant}]: {exc}", file=sys.stderr)
         return 2
     print(f"evaluate[{args.variant}]: top1={result['top1']:.4f} "

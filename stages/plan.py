@@ -56,7 +56,7 @@ def main() -> int:
     write_json(out / "plan.json", plan)
     text = to_text(plan)
     write_text(out / "plan.md", text)
-    write_text(out / "budget.yaml", "# Written by the plan stage; train@<variant> depends on it.\n"
+    write_text(out / "budget.yaml", "# Written by the plan stage; train, evaluate and export depend on it.\n"
                + yaml.safe_dump(budget_values(plan), sort_keys=True))
     print(text)
     return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 from cnnpipe.files import DiskFull
 from cnnpipe.models import WeightsUnavailable
 from cnnpipe.params import ParamsError, load_params, resolve
-from cnnpipe.train.budget import apply_budget, read_budget
+from cnnpipe.train.budget import apply_budget, eval_batch, read_budget
 from cnnpipe.train.checkpoint import UnsafeCheckpoint
 from cnnpipe.train.distributed import ConfigMismatch, cleanup, init_distributed
 from cnnpipe.train.engine import NonFiniteLoss
@@ -29,8 +29,8 @@ def main() -> int:
     parser.add_argument("--metrics", default="metrics", help="train.json goes to <metrics>/<variant>/")
     parser.add_argument("--tuned", default=None, help="the profile's tuned values for `auto` knobs "
                         "(default: <metrics>/profile/<variant>_tuned.yaml when it exists)")
-    parser.add_argument("--budget", default=None, help="the plan's images per epoch under the budget "
-                        "(default: <metrics>/plan/budget.yaml when it exists)")
+    parser.add_argument("--budget", default=None, help="the plan's images per epoch under the budget and "
+                        "validation batch (default: <metrics>/plan/budget.yaml when it exists)")
     parser.add_argument("--champion", default="models/champion",
                         help="the model in production, for model.init: champion (the champion stage's output)")
     parser.add_argument("--held-out", default="data/delivery/flagged.csv",
@@ -47,7 +47,9 @@ def main() -> int:
         cfg = resolve(load_params(args.params), args.variant)
         overrides = {k: v for k, v in (("nnodes", args.nnodes), ("node_rank", args.node_rank),
                                        ("rdzv_endpoint", args.rdzv_endpoint)) if v is not None}
-        cfg = apply_budget(cfg.with_train(**overrides), read_budget(budget))
+        planned = read_budget(budget)
+        cfg = apply_budget(cfg.with_train(**overrides), planned)
+        val_batch = eval_batch(planned, args.variant)
     except (ParamsError, ValueError) as exc:
         print(f"train: {exc}", file=sys.stderr)
         return 2
@@ -58,7 +60,7 @@ def main() -> int:
         fit(cfg, info, Path(args.data), Path(args.models) / args.variant,
             Path(args.metrics) / args.variant / "train.json", Path(args.metrics) / args.variant / "live",
             tuned=read_tuned(tuned) if tuned.exists() else None, champion=Path(args.champion),
-            held_out=Path(args.held_out))
+            held_out=Path(args.held_out), eval_batch=val_batch)
     except ConfigMismatch as exc:  # the nodes disagree, on every rank: restarting would only repeat it
         return stop_without_restart(f"train[{args.variant}]: {exc}")
     except (WeightsUnavailable, NonFiniteLoss, UnsafeCheckpoint, DiskFull, ValueError,

@@ -33,7 +33,7 @@ def test_eight_gpus_on_the_whole_split_take_enough_steps_to_warm_up():
     """8 x 256 on every image takes 26 steps per epoch (104 in 4 epochs, 8 of them warm-up): the
     batch halves to 64 per GPU, as it would for a budget-shortened epoch."""
     cfg = config(batch_size=256, epochs=4, lr=0.2, warmup_epochs=0.3, schedule="cosine", min_steps=300)
-    batch = fit_batch_to_steps(cfg, FMNIST_TRAIN, world_size=8).train.batch_size
+    batch = fit_batch_to_steps(cfg, FMNIST_TRAIN, world_size=8)[0].train.batch_size
     assert batch == batch_for_steps(256, 300, FMNIST_TRAIN, 4, world_size=8) == 64
     steps = steps_per_run(FMNIST_TRAIN, 4, batch, world_size=8)
     schedule = LrSchedule.for_run(cfg.train, FMNIST_TRAIN, batch * 8, steps)

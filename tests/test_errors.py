@@ -136,6 +136,9 @@ def test_a_budget_file_that_is_not_a_mapping_says_to_rerun_the_plan(tmp_path, pr
     (tmp_path / "budget.yaml").write_text("- just\n- a list\n")
     code, err = stage(tmp_path, "train.py", "optimized", "--data", str(prepared), "--budget", "budget.yaml")
     usage_error(code, err, "budget.yaml", "dvc repro plan")
+    (tmp_path / "budget.yaml").write_text("eval_batch: {optimized: half}\n")  # read before any model is
+    code, err = stage(tmp_path, "evaluate.py", "optimized", "--data", str(prepared), "--budget", "budget.yaml")
+    usage_error(code, err, "`eval_batch.optimized` = 'half'", "dvc repro plan")
 
 
 def test_more_accumulation_steps_than_batches_is_named(tmp_path, prepared, stage: Stage):

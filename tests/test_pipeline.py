@@ -66,8 +66,11 @@ def test_repro_produces_every_output_and_metric(reproduced):
     # prepare's own seconds, as its report measured them, count in the budget
     prepared = json.loads((project / "metrics" / "data_report.json").read_text())["stage_time_s"]
     assert plan["spent_s"] == {"prepare": prepared} and prepared > 0
+    # validation and evaluate run at the batch each profile timed inference at, through budget.yaml
+    timed = {v: json.loads((project / "metrics" / "profile" / f"{v}.json").read_text())["inference_batch"]
+             for v in ("baseline", "optimized")}
     assert yaml.safe_load((project / "metrics" / "plan" / "budget.yaml").read_text()) == {
-        "fraction": 1.0, "images_per_epoch": None, "val_images": None, "parity_images": None}
+        "fraction": 1.0, "images_per_epoch": None, "val_images": None, "parity_images": None, "eval_batch": timed}
     assert (project / "metrics" / "profile" / "report.md").exists()
     assert yaml.safe_load((project / "metrics" / "profile" / "baseline_tuned.yaml").read_text()) == {}
     tuned = yaml.safe_load((project / "metrics" / "profile" / "optimized_tuned.yaml").read_text())
@@ -80,6 +83,7 @@ def test_repro_produces_every_output_and_metric(reproduced):
         assert train["cpu"]["usable_cores"] >= 1 and "fast_bf16" in train["cpu"]
         evaluation = json.loads((project / "metrics" / variant / "eval.json").read_text())
         assert {"top1", "top5", "loss"} <= set(evaluation)
+        assert train["eval_batch"] == evaluation["eval_batch"] == timed[variant]
         assert (project / "metrics" / variant / "mistakes.png").read_bytes()[:4] == b"\x89PNG"
         exported = json.loads((project / "metrics" / variant / "export.json").read_text())
         assert exported["onnx"]["top1_agreement"] == 1.0 and exported["torchscript"]["top1_agreement"] == 1.0

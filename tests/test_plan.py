@@ -30,8 +30,15 @@ from cnnpipe.plan.plan import (
 )
 from cnnpipe.plan.text import to_text
 from cnnpipe.train import pacing
-from cnnpipe.train.budget import apply_budget
-from cnnpipe.train.schedule import MIN_BATCH, SMALLEST_BATCH, batch_for_split, batch_for_steps, steps_per_run
+from cnnpipe.train.budget import EVAL_BATCH, apply_budget, eval_batch
+from cnnpipe.train.schedule import (
+    MIN_BATCH,
+    SMALLEST_BATCH,
+    batch_for_split,
+    batch_for_steps,
+    choose_batch,
+    steps_per_run,
+)
 from conftest import ROOT, tiny_params, write_params
 
 # Fashion-MNIST's split sizes and this machine's measured speeds (dvc.lock run, img/s).
@@ -49,7 +56,8 @@ def test_a_run_that_fits_keeps_the_whole_split():
     plan = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=60)
     assert plan["fraction"] == 1.0 and plan["images_per_epoch"] == N_TRAIN and plan["fits"]
     assert budget_values(plan) == {"fraction": 1.0, "images_per_epoch": None, "val_images": None,
-                                   "parity_images": None}  # training sees no cap
+                                   "parity_images": None,  # training sees no cap
+                                   "eval_batch": {"baseline": EVAL_BATCH, "optimized": EVAL_BATCH}}
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 2.0, 4.0])  # machines of this kind differ by 4x
@@ -240,6 +248,18 @@ def test_a_split_smaller_than_one_batch_halves_it_only_until_an_epoch_fills_one_
     assert batch_for_steps(256, None, 300, 4) == 256 and batch_for_steps(256, 300, 100, 4) == MIN_BATCH
 
 
+def test_a_halved_batch_names_the_rule_that_halved_it():
+    """train.json's `batch_note` comes from the choice itself: the small epoch where it alone halves the
+    batch that far (with min_steps set or not), min_steps where the batch went lower than the split asks."""
+    assert choose_batch(256, 300, 54_000, 4) == (256, "")
+    assert choose_batch(256, 300, 4864, 4) == (64, "train.batch_size 256 halved to reach train.min_steps=300")
+    small_epoch = "train.batch_size 256 halved to 128: an epoch holds fewer images than one batch"
+    assert choose_batch(256, 4, 200, 4) == (128, small_epoch)  # 4 steps at 128 meet min_steps: the epoch halved it
+    assert choose_batch(256, None, 200, 4) == (128, small_epoch)
+    assert choose_batch(256, 300, 200, 4)[0] == 64 and "min_steps=300" in choose_batch(256, 300, 200, 4)[1]
+    assert choose_batch(256, 300, 45, 4) == (32, small_epoch.replace("128", "32"))
+
+
 def test_the_plan_predicts_the_smaller_batch_at_its_measured_speed():
     slow = Recipe("optimized", 4, 256, 200.0, 1000.0, 60.0, batch_size=256, min_steps=300,
                   smaller_batch_speed={128: 0.9, 64: 0.75})
@@ -290,6 +310,27 @@ def test_the_profile_s_measured_inference_speed_is_what_the_plan_uses():
     assert recipe_from_profile(cfg, profile).eval_img_s == pytest.approx(120.0 / 0.3)  # estimated
     measured = recipe_from_profile(cfg, {**profile, "inference_img_s": 500.0})
     assert measured.eval_img_s == pytest.approx(600.0) and measured.train_img_s == pytest.approx(120.0)
+
+
+def test_validation_and_evaluate_run_at_the_batch_the_profile_timed_inference_at():
+    """A box with room for batch 16 only: the plan predicts evaluate's six timed passes at 16, budget.yaml
+    carries it per variant, and train and evaluate read it from there (256 where no plan names one)."""
+    cfg = resolve(load_params(ROOT / "params.yaml"), "optimized")
+    profile = {"throughput_img_s": 100.0, "inference_img_s": 50.0, "inference_batch": 16}
+    small = recipe_from_profile(cfg, profile)
+    assert small.eval_batch == 16 and recipe_from_profile(cfg, {"throughput_img_s": 100.0}).eval_batch == EVAL_BATCH
+    at_256 = replace(small, eval_batch=EVAL_BATCH)
+    seconds = stage_seconds(small, 1000, 200, 300, 300)["evaluate@optimized"]
+    assert seconds == pytest.approx(stage_seconds(at_256, 1000, 200, 300, 300)["evaluate@optimized"]
+                                    - 6 * (EVAL_BATCH - 16) / 50.0)
+    plan = make_plan([replace(recipes()[0], eval_batch=32), small], N_TRAIN, N_VAL, N_TEST, budget_minutes=60)
+    assert budget_values(plan)["eval_batch"] == {"baseline": 32, "optimized": 16}
+    assert "optimized 100 img/s training, ~50 img/s inference at batch 16" in to_text(plan)
+    assert eval_batch(budget_values(plan), "optimized") == 16 and eval_batch({}, "optimized") == EVAL_BATCH
+    with pytest.raises(ValueError, match=r"budget.yaml: `eval_batch.optimized` = 0 .*rerun `dvc repro plan`"):
+        eval_batch({"eval_batch": {"optimized": 0}}, "optimized")
+    with pytest.raises(ValueError, match=r"`eval_batch` = \[16\] is not a mapping"):
+        eval_batch({"eval_batch": [16]}, "optimized")
 
 
 def test_the_plan_trains_at_the_speed_the_trials_measured_throughout_the_profile():

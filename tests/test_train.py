@@ -16,7 +16,7 @@ from cnnpipe.files import DiskFull
 from cnnpipe.models import WeightsUnavailable, create_model
 from cnnpipe.params import load_params, resolve
 from cnnpipe.train import checkpoint as ckpt
-from cnnpipe.train import engine, pacing, trainer
+from cnnpipe.train import engine, pacing, temperature, trainer
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.schedule import lr_at, warmup_steps
 from conftest import tiny_params, write_params
@@ -56,6 +56,20 @@ def test_min_steps_halves_the_batch_of_a_short_run(tmp_path, prepared):
     plain = fit(run_config(tmp_path / "plain", batch_size=128, images_per_epoch=256, min_steps=None), prepared,
                 tmp_path / "plain")
     assert plain["global_batch"] == 128 and plain["optimizer_steps"] == 4 and plain["batch_note"] == ""
+
+
+def test_validation_and_the_temperature_run_at_the_plan_s_eval_batch(tmp_path, prepared, monkeypatch):
+    """`eval_batch` (budget.yaml's, the batch the profile timed inference at) reaches both loaders
+    over the validation split, and train.json names it."""
+    batches = []
+    for module in (trainer, temperature):
+        real = module.build_eval_loader
+        monkeypatch.setattr(module, "build_eval_loader", lambda split, batch_size, real=real, **kw:
+                            batches.append(batch_size) or real(split, batch_size=batch_size, **kw))
+    cfg = run_config(tmp_path, epochs=1, images_per_epoch=64)
+    summary = trainer.fit(cfg, DistInfo(), prepared, tmp_path / "models", tmp_path / "train.json", tmp_path / "live",
+                          eval_batch=16)
+    assert batches == [16, 16] and summary["eval_batch"] == 16
 
 
 def test_an_epoch_smaller_than_one_batch_trains_at_the_halving_that_fills_one_step(tmp_path, prepared):

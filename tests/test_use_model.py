@@ -14,6 +14,7 @@ from cnnpipe.data.loaders.host import build_eval_loader
 from cnnpipe.data.prepare import prepare_fashion_mnist
 from cnnpipe.data.store.shards import open_split
 from cnnpipe.deploy import export, predict
+from cnnpipe.evaluate import evaluation
 from cnnpipe.evaluate.evaluation import evaluate
 from cnnpipe.evaluate.gallery import most_confident_mistakes
 from cnnpipe.params import load_params, resolve
@@ -239,6 +240,21 @@ def test_evaluate_writes_the_gallery_of_known_mistakes(trained, tmp_path, answer
     assert [(m["actual"], m["predicted"]) for m in listed] == [(classes[labels[i]], classes[answer]) for i in wrong[:8]]
     expected = torch.softmax(4.0 * (torch.arange(10) == answer) / result["temperature"], 0)[answer].item()
     assert [m["probability"] for m in listed] == pytest.approx([expected] * 8, rel=1e-2)  # bf16 logits
+
+
+def test_evaluate_runs_the_test_split_at_the_plan_s_batch(trained, tmp_path, monkeypatch):
+    """The batch the profile timed inference at (budget.yaml `eval_batch`) is the one evaluate's loader
+    gets; the answers do not depend on it."""
+    _, prepared, models = trained
+    batches = []
+    real = evaluation.build_eval_loader
+    monkeypatch.setattr(evaluation, "build_eval_loader", lambda split, batch_size, **kw:
+                        batches.append(batch_size) or real(split, batch_size=batch_size, **kw))
+    small = evaluate(models, prepared, tmp_path / "at8", torch.device("cpu"), batch_size=8)
+    usual = evaluate(models, prepared, tmp_path / "usual", torch.device("cpu"))
+    assert batches == [8, 256] and (small["eval_batch"], usual["eval_batch"]) == (8, 256)
+    read = [list(csv.DictReader((tmp_path / d / "predictions.csv").open())) for d in ("at8", "usual")]
+    assert [r["predicted"] for r in read[0]] == [r["predicted"] for r in read[1]] and small["top1"] == usual["top1"]
 
 
 @pytest.mark.parametrize("ema_better", [True, False])

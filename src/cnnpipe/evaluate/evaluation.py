@@ -25,6 +25,7 @@ from cnnpipe.evaluate.stats import SMALL_TEST, wilson_interval
 from cnnpipe.files import write_json
 from cnnpipe.monitor import peak_mem_mb
 from cnnpipe.uptime import process_seconds
+from cnnpipe.train.budget import EVAL_BATCH
 from cnnpipe.train.engine import forward_times, predict, topk_correct
 from cnnpipe.train.trained import load_trained, make_transform
 
@@ -98,15 +99,17 @@ def _cell(text: str) -> str:
 
 
 def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.device,
-             max_images: int | None = None, gallery_size: int = 16, held_out: Path | None = None) -> dict[str, Any]:
+             max_images: int | None = None, gallery_size: int = 16, held_out: Path | None = None,
+             batch_size: int = EVAL_BATCH) -> dict[str, Any]:
     """Write eval.json, classes.json, classes.md, confusion.csv, predictions.csv, calibration.csv (with
     the fitted temperature), calibration_raw.csv (without) and mistakes.png to `out_dir`; the test
     photos the delivery check's list `held_out` holds out, and those whose bytes were ever in a training
     split (a model may have memorised them: counted in `once_trained_on_left_out`), are left out
-    (`data.splits.held_out.open_judged`)."""
+    (`data.splits.held_out.open_judged`). The test split and the model-only speed run at `batch_size`
+    (the plan's `eval_batch`: the batch the profile timed, so the plan predicts what runs)."""
     model, meta = load_trained(model_dir, device)
     split, kept, memorised = open_judged(prepared_dir, "test", held_out, limit=max_images)
-    loader = build_eval_loader(split, batch_size=256)
+    loader = build_eval_loader(split, batch_size=batch_size)
     t0 = time.perf_counter()
     raw, labels = predict(model, loader, make_transform(meta), device, meta["amp"])
     wall = time.perf_counter() - t0
@@ -124,8 +127,10 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
         "ece_before_temperature": expected_calibration_error(raw_bins),
         "macro_f1": summary["macro_f1"], "mean_confidence": summary["mean_confidence"],
         "images": n, "eval_throughput_img_s": n / wall,
-        "model_throughput_img_s": 256 / statistics.median(forward_times(
-            model, meta["in_chans"], meta["image_size"], bool(meta.get("channels_last")), meta["amp"], device)),
+        "model_throughput_img_s": batch_size / statistics.median(forward_times(
+            model, meta["in_chans"], meta["image_size"], bool(meta.get("channels_last")), meta["amp"], device,
+            batch=batch_size)),
+        "eval_batch": batch_size,
         "peak_mem_mb": peak_mem_mb(device), "device": device.type, "amp": meta["amp"],
         "weights": meta["weights"],
         "warnings": split_warnings(n, read_index(prepared_dir).get("carved", [])),

@@ -17,6 +17,8 @@ and the images per epoch shrink, as with a fixed count:
 - the other per-run costs shrink with it: validation runs on a fixed class-balanced subset
   (`VAL_UNDER_BUDGET`) and the export parity check on one of the test split (`PARITY_UNDER_BUDGET`);
   test evaluation always covers the whole test split;
+- validation and evaluation run at the batch each profile timed inference at (`eval_batch`, at most
+  evaluation's 256: smaller where the profile's box had no room for it), so what is predicted runs;
 - hysteresis: the previous run's choice (fraction, and epochs under `auto`) is kept while its
   prediction stays within 75%..110% of the budget. Speed measurements drift by ~10% on shared
   machines; without this a run near a ladder step (or an epoch) would flip between two recipes
@@ -33,6 +35,7 @@ from fractions import Fraction
 from typing import Any, Sequence
 
 from cnnpipe.config import VariantConfig
+from cnnpipe.train.budget import EVAL_BATCH
 from cnnpipe.train.schedule import batch_for_steps
 
 LADDER = (1.0, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 3 / 16, 1 / 8, 3 / 32, 1 / 16, 1 / 32, 1 / 64)
@@ -100,7 +103,7 @@ class Recipe:
     train_img_s: float
     """Training images/s of the recipe training will run (the profile's tuned values)."""
     eval_img_s: float
-    """Inference images/s at the evaluation batch, as the profile measured it (older profiles: estimated
+    """Inference images/s at `eval_batch`, as the profile measured it (older profiles: estimated
     from the forward share of the training step)."""
     profile_s: float
     """What the profile stage already spent."""
@@ -132,6 +135,8 @@ class Recipe:
     """The first step's cost beyond a steady one (kernel selection, allocation), as the profile measured it."""
     checkpoint_s: float = 0.0
     """One last.pt write on this machine's disk, as the profile measured it (0: not measured)."""
+    eval_batch: int = EVAL_BATCH
+    """The batch the profile timed inference at: validation and evaluation run at it (budget.yaml)."""
 
     def batch_for(self, images_per_epoch: int) -> int:
         """The per-process batch training will use when each epoch draws `images_per_epoch` images
@@ -177,7 +182,9 @@ def recipe_from_profile(cfg: VariantConfig, profile: dict[str, Any]) -> Recipe:
                   t.val_images, amp, scale, scaling, startup_s=float(profile.get("startup_s") or 0.0),
                   export_img_s=profile.get("export_img_s"),
                   auto_epochs=(t.min_epochs, t.max_epochs) if t.epochs == "auto" else None, patience=t.patience,
-                  warmup_s=float(profile.get("warmup_s") or 0.0), checkpoint_s=float(profile.get("checkpoint_s") or 0.0))
+                  warmup_s=float(profile.get("warmup_s") or 0.0),
+                  checkpoint_s=float(profile.get("checkpoint_s") or 0.0),
+                  eval_batch=int(profile.get("inference_batch") or EVAL_BATCH))
 
 
 def checked_images(fraction: float, n_val: int, n_test: int, val_images: int | None) -> tuple[int, int]:
@@ -201,7 +208,7 @@ def stage_seconds(r: Recipe, images_per_epoch: int, n_val: int, n_test: int, n_p
     # last.pt as paced (at most CHECKPOINT_SHARE of training), then the final last.pt and best.pt
     checkpoints = min(CHECKPOINT_SHARE * epochs, max(0, r.epochs - 1) * r.checkpoint_s) + LAST_AND_BEST * r.checkpoint_s
     train = epochs + checkpoints + r.warmup_s + n_calibration / r.eval_img_s + startup
-    bench = 6 * 256 / r.eval_img_s  # evaluate's model-only throughput measurement
+    bench = 6 * r.eval_batch / r.eval_img_s  # evaluate's model-only throughput: 6 forward passes
     evaluate = n_test / r.eval_img_s + bench + startup
     if r.export_img_s:  # measured: fp32 on the CPU, where export runs whatever trained the model
         parity_img_s = r.export_img_s
@@ -350,6 +357,7 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
         "predicted_total_s": total,
         "predicted_total_unbudgeted_s": unbudgeted,
         "batch": {r.variant: r.batch_for(images) * r.world_size * r.accum_steps for r in recipes},
+        "eval_batch": {r.variant: r.eval_batch for r in recipes},
         "epochs": {r.variant: r.epochs for r in recipes},
         "epochs_auto": epochs,
         "epochs_range": epoch_range(recipes),
@@ -363,10 +371,13 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
 
 def budget_values(plan: dict[str, Any]) -> dict[str, Any]:
     """What training depends on: only the chosen values, so a re-measured plan that chooses the same
-    recipe retrains nothing. `epochs` only when a variant asks for `auto`."""
+    recipe retrains nothing. `epochs` only when a variant asks for `auto`. `eval_batch` changes only
+    where a profile's box holds another halving of evaluation's batch than before."""
     whole = plan["fraction"] >= 1.0
     values = {"fraction": plan["fraction"], "images_per_epoch": None if whole else plan["images_per_epoch"],
               "val_images": plan.get("val_images"), "parity_images": plan.get("parity_images")}
+    if plan.get("eval_batch"):  # (not in a plan.json from before the profiles timed inference)
+        values["eval_batch"] = plan["eval_batch"]
     if plan.get("epochs_auto") is not None:
         values["epochs"] = plan["epochs_auto"]
     return values

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cnnpipe.plan.plan import frac_text
+from cnnpipe.train.budget import EVAL_BATCH
 
 
 def to_text(plan: dict[str, Any]) -> str:
@@ -36,7 +37,7 @@ def to_text(plan: dict[str, Any]) -> str:
                      + "; ".join(halved) + ".")
     lines += ["", "Speeds measured by the profile stages: " + "; ".join(
         f"{r['variant']} {r['train_img_s']:.0f} img/s training, ~{r['eval_img_s']:.0f} img/s inference"
-        for r in plan["recipes"]) + ".", ""]
+        f"{eval_batch_text(r)}" for r in plan["recipes"]) + ".", ""]
     scaled = [f"{r['variant']}: {r['scaling']}" for r in plan["recipes"] if r.get("scale", 1.0) != 1.0]
     if scaled:
         lines[-1:-1] = ["Training speed at the job's world size: " + "; ".join(scaled) + "."]
@@ -45,6 +46,12 @@ def to_text(plan: dict[str, Any]) -> str:
     if slower:
         lines[-1:-1] = ["Smaller batches, measured against the profiled one: " + "; ".join(slower) + "."]
     return "\n".join(lines)
+
+
+def eval_batch_text(recipe: dict[str, Any]) -> str:
+    """" at batch N" when the profile timed inference (and validation and evaluate run) below EVAL_BATCH."""
+    batch = recipe.get("eval_batch", EVAL_BATCH)
+    return "" if batch == EVAL_BATCH else f" at batch {batch} (validation and evaluate run at it)"
 
 
 def epochs_line(plan: dict[str, Any]) -> str:

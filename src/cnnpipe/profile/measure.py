@@ -33,12 +33,12 @@ from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
 from cnnpipe.profile.roofline import OpEvent
 from cnnpipe.train import checkpoint as ckpt
+from cnnpipe.train.budget import EVAL_BATCH
 from cnnpipe.train.distributed import DistInfo, unwrap
 from cnnpipe.train.engine import Spans, StepContext, forward_times, micro_step, no_region, sync_device
 from cnnpipe.train.parts import build_training, step_context
 from cnnpipe.train.tuning import resolve_auto
 
-INFERENCE_BATCH = 256  # evaluation's batch
 
 SYNC_EVENTS = {
     # every `.item()`, `.tolist()` or `if tensor:` reads a scalar back to Python through this op
@@ -202,7 +202,7 @@ def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[st
     return times, timer.totals, cpu_util
 
 
-def inference_times(s: Setup, batch: int = INFERENCE_BATCH, calls: int = 3) -> list[float]:
+def inference_times(s: Setup, batch: int = EVAL_BATCH, calls: int = 3) -> list[float]:
     """Seconds per forward pass of `batch` images through this setup's model (eval mode, no
     autograd, its precision and layout): the speed validation, `evaluate` and `export` run at, for
     the plan. Measured, because a training step's forward share overstates it by up to 2x."""
@@ -220,7 +220,7 @@ def cpu_fp32_inference(s: Setup, share_s: float | None = None, calls: int = 2) -
     """
     model = copy.deepcopy(unwrap(s.ctx.model)).float().cpu().to(memory_format=torch.contiguous_format)
     cpu = torch.device("cpu")
-    batch = INFERENCE_BATCH
+    batch = EVAL_BATCH
     if share_s is not None:
         per_image = forward_times(model, s.in_chans, s.cfg.data.image_size, False, "off", cpu, batch=8,
                                   calls=1)[0] / 8

@@ -25,7 +25,6 @@ from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings
 from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose
 from cnnpipe.profile.format import all_trials
 from cnnpipe.profile.measure import (
-    INFERENCE_BATCH,
     build_setup,
     checkpoint_write_s,
     cpu_fp32_inference,
@@ -48,7 +47,7 @@ from cnnpipe.profile.trials import (
     smaller_batch_trials,
     smaller_batches,
 )
-from cnnpipe.train.budget import fit_batch_to_split
+from cnnpipe.train.budget import EVAL_BATCH, fit_batch_to_split
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.precision import math_mode
 from cnnpipe.train.tuning import auto_knobs, resolve_auto
@@ -112,7 +111,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     roofline = summarize(peaks, base.ctx.amp, step_s, count.flops, count.bytes, op_us, count.basis, op_step_s)
     if info.rank == 0:
         write_roofline_summary(trace_dir, roofline)
-    inference = plan.inference(per_image_s, INFERENCE_BATCH)
+    inference = plan.inference(per_image_s, EVAL_BATCH)
     inference_s = inference_times(base, inference.batch, inference.calls)
     export_img_s, export_batch = cpu_fp32_inference(base, plan.share(TAIL_SHARE))
     trace_dir.mkdir(parents=True, exist_ok=True)

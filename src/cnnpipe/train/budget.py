@@ -1,6 +1,6 @@
 """The plan's choice, applied to training (the only part of the plan that `train` depends on): the
-epochs of `train.epochs: auto` and the images per epoch; and the batch a run of that length trains at
-(`train.min_steps`).
+epochs of `train.epochs: auto` and the images per epoch; the batch a run of that length trains at
+(`train.min_steps`); and the batch each variant's validation and evaluation run at.
 
 Kept apart from `plan.py` so that refining a prediction never invalidates a trained model.
 """
@@ -12,7 +12,11 @@ from typing import Any
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.files import read_yaml_mapping
-from cnnpipe.train.schedule import batch_for_split, batch_for_steps
+from cnnpipe.train.schedule import batch_for_split, choose_batch
+
+EVAL_BATCH = 256
+"""The batch validation, calibration and `evaluate` run at where the plan names none (a run outside
+`dvc repro`), and the one the profile times inference at when its box has room (`eval_batch`)."""
 
 
 def read_budget(path: Path | None) -> dict[str, Any]:
@@ -46,12 +50,30 @@ def epochs_to_train(cfg: VariantConfig) -> tuple[VariantConfig, str]:
             f"train.min_epochs={cfg.train.min_epochs}")
 
 
-def fit_batch_to_steps(cfg: VariantConfig, n_train: int, world_size: int) -> VariantConfig:
-    """`cfg` with the batch `train.min_steps` asks for, given the images each epoch draws (of `n_train`)."""
+def eval_batch(budget: dict[str, Any], variant: str) -> int:
+    """The batch `variant` validates and evaluates at: the one its profile timed inference at
+    (budget.yaml `eval_batch`), so that the plan's prediction of both is of the batch they run at.
+    On a CPU at 128 px a ResNet-50 infers 1.3-1.7x more images/s at batch 16 or 32 than at 256, and
+    at 32 px 0.3-0.5x as many (`bench/inference_batch.py`): a timing at one batch does not carry to another."""
+    batches = budget.get("eval_batch")
+    if batches is not None and not isinstance(batches, dict):
+        raise ValueError(f"budget.yaml: `eval_batch` = {batches!r} is not a mapping of variants to batch sizes; "
+                         "rerun `dvc repro plan`")
+    if not batches or variant not in batches:  # no plan (or one from before it timed inference): the usual batch
+        return EVAL_BATCH
+    batch = batches[variant]
+    if not (isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1):
+        raise ValueError(f"budget.yaml: `eval_batch.{variant}` = {batch!r} is not a batch size; rerun `dvc repro plan`")
+    return batch
+
+
+def fit_batch_to_steps(cfg: VariantConfig, n_train: int, world_size: int) -> tuple[VariantConfig, str]:
+    """`cfg` with the batch `train.min_steps` asks for, given the images each epoch draws (of `n_train`),
+    and why it differs from train.batch_size ('' when it does not: `schedule.choose_batch`)."""
     t = cfg.train
     images = n_train if t.images_per_epoch is None else min(n_train, t.images_per_epoch)
-    batch = batch_for_steps(t.batch_size, t.min_steps, images, t.epochs, world_size, t.accum_steps)
-    return cfg if batch == t.batch_size else cfg.with_train(batch_size=batch)
+    batch, why = choose_batch(t.batch_size, t.min_steps, images, t.epochs, world_size, t.accum_steps)
+    return (cfg, "") if batch == t.batch_size else (cfg.with_train(batch_size=batch), why)
 
 
 def fit_batch_to_split(cfg: VariantConfig, n_train: int, world_size: int) -> VariantConfig:

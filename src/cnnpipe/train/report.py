@@ -13,7 +13,7 @@ from cnnpipe.monitor import peak_mem_mb
 from cnnpipe.train.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from cnnpipe.train.parts import TrainingParts, decode_place
 from cnnpipe.train.precision import math_mode
-from cnnpipe.train.schedule import MIN_BATCH, backbone_lr_scale
+from cnnpipe.train.schedule import backbone_lr_scale
 
 LIVE_KEYS = {"train/loss": "train_loss", "val/top1": "val_top1", "val/loss": "val_loss", "lr": "lr",
              "epoch_time_s": "epoch_time_s", "throughput_img_s": "throughput_img_s",
@@ -42,16 +42,6 @@ class Live:
     def end(self) -> None:
         if self.live is not None:
             self.live.end()
-
-
-def batch_note(cfg: VariantConfig, requested_batch: int) -> str:
-    """Why the batch differs from train.batch_size, for the log line and train.json ('' when it doesn't)."""
-    t = cfg.train
-    if t.batch_size == requested_batch:
-        return ""
-    if t.min_steps is None or t.batch_size < MIN_BATCH:  # `schedule.batch_for_split`: min_steps stops at MIN_BATCH
-        return f"train.batch_size {requested_batch} halved to {t.batch_size}: an epoch holds fewer images than one batch"
-    return f"train.batch_size {requested_batch} halved to reach train.min_steps={t.min_steps}"
 
 
 def announce(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, threads: int, note: str) -> None:

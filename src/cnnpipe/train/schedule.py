@@ -145,6 +145,20 @@ def batch_for_steps(batch_size: int, min_steps: int | None, images_per_epoch: in
     return batch_for_split(batch, images_per_epoch, world_size, accum_steps)
 
 
+def choose_batch(batch_size: int, min_steps: int | None, images_per_epoch: int, epochs: int,
+                 world_size: int = 1, accum_steps: int = 1) -> tuple[int, str]:
+    """`batch_for_steps`'s batch and why it is not `batch_size` ('' when it is), for the log and train.json.
+
+    The small epoch is named when it alone halves the batch that far (`batch_for_split`): it would
+    without `train.min_steps` too; a batch halved further is `train.min_steps`'s doing."""
+    batch = batch_for_steps(batch_size, min_steps, images_per_epoch, epochs, world_size, accum_steps)
+    if batch == batch_size:
+        return batch, ""
+    if batch == batch_for_split(batch_size, images_per_epoch, world_size, accum_steps):
+        return batch, f"train.batch_size {batch_size} halved to {batch}: an epoch holds fewer images than one batch"
+    return batch, f"train.batch_size {batch_size} halved to reach train.min_steps={min_steps}"
+
+
 def early_stop(history: Sequence[dict[str, Any]], patience: int | None) -> dict[str, Any] | None:
     """Why training should stop after the last epoch of `history`, or None to go on.
 

@@ -20,6 +20,7 @@ from cnnpipe.data.loaders.host import build_eval_loader
 from cnnpipe.data.splits.draw import balanced_subset
 from cnnpipe.data.store.shards import PreparedSplit
 from cnnpipe.train import checkpoint as ckpt
+from cnnpipe.train.budget import EVAL_BATCH
 from cnnpipe.train.engine import predict
 from cnnpipe.train.trained import load_trained, make_transform
 
@@ -48,7 +49,8 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def calibrate_best(model_dir: Path, val: PreparedSplit, device: torch.device,
-                   recipe: dict[str, Any] | None = None, data_generation: int | None = None) -> dict[str, Any]:
+                   recipe: dict[str, Any] | None = None, data_generation: int | None = None,
+                   batch_size: int = EVAL_BATCH) -> dict[str, Any]:
     """Fit T for the weights best.pt serves (raw or EMA, as `load_trained` picks) on `val`, and write it
     into best.pt's meta with the model's input `recipe` (`trained.input_recipe`) and the generation of
     the store it was trained on (index.json's: the delivery check's photos are those that came later).
@@ -59,7 +61,8 @@ def calibrate_best(model_dir: Path, val: PreparedSplit, device: torch.device,
     of a 10-class set carries their sampling error into every threshold a user sets."""
     model, meta = load_trained(model_dir, device)
     val = balanced_subset(val, MAX_FIT_IMAGES) if len(val) > MAX_FIT_IMAGES else val
-    logits, labels = predict(model, build_eval_loader(val, batch_size=256), make_transform(meta), device, meta["amp"])
+    logits, labels = predict(model, build_eval_loader(val, batch_size=batch_size), make_transform(meta), device,
+                             meta["amp"])
     temperature = fit_temperature(logits, labels)
     path = model_dir / "best.pt"
     state = ckpt.load(path)

@@ -21,14 +21,14 @@ from cnnpipe.hardware import usable_cores
 from cnnpipe.monitor import GpuUtilSampler
 from cnnpipe.uptime import process_seconds
 from cnnpipe.train import checkpoint as ckpt
-from cnnpipe.train.budget import epochs_to_train, fit_batch_to_steps
+from cnnpipe.train.budget import EVAL_BATCH, epochs_to_train, fit_batch_to_steps
 from cnnpipe.train.distributed import DistInfo, check_same_settings, local_world_size, sync_buffers, unwrap
 from cnnpipe.train.ema import ModelEma, decay_for_run
 from cnnpipe.train.engine import evaluate_top1, train_one_epoch
 from cnnpipe.train.pacing import Pacer, save_checkpoints
 from cnnpipe.train.parts import build_training, decode_place, seed_everything, set_threads, step_context
 from cnnpipe.train.recipe import input_recipe
-from cnnpipe.train.report import Live, announce, batch_note, epoch_record, report_epoch, run_summary
+from cnnpipe.train.report import Live, announce, epoch_record, report_epoch, run_summary
 from cnnpipe.train.resume import resume
 from cnnpipe.train.schedule import early_stop
 from cnnpipe.train.temperature import calibrate_best
@@ -38,13 +38,15 @@ from cnnpipe.train.tuning import resolve_auto
 def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path, metrics_path: Path,
         live_dir: Path, tuned: dict[str, Any] | None = None,
         epoch_hook: Callable[[torch.nn.Module], dict[str, float]] | None = None,
-        champion: Path | None = None, held_out: Path | None = None) -> dict[str, Any] | None:
+        champion: Path | None = None, held_out: Path | None = None, eval_batch: int = EVAL_BATCH,
+        ) -> dict[str, Any] | None:
     """Train `cfg.variant`; resume from `model_dir/last.pt` when it was made under the same params.
 
     `tuned` holds the profile's measured values for knobs the params leave at `auto`. `epoch_hook`
     (benchmarks) is called with the model after each epoch's validation, outside the timed epoch;
     what it returns joins that epoch's record. `held_out`: the delivery check's list; the training
-    and validation photos it holds out are left out (`data.splits.held_out`).
+    and validation photos it holds out are left out (`data.splits.held_out`). `eval_batch`: the
+    per-process batch of validation and of the temperature's fit (the plan's, `budget.eval_batch`).
     """
     t_start = time.perf_counter()
     train_split, _ = open_kept(prepared_dir, "train", held_out)
@@ -52,10 +54,8 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     cfg, epochs_note = epochs_to_train(cfg)  # `auto` arrives as the plan's count (apply_budget)
     if epochs_note and info.is_primary:
         print(f"train[{cfg.variant}]: {epochs_note}", flush=True)
-    requested_batch = cfg.train.batch_size
-    cfg = fit_batch_to_steps(cfg, len(train_split), info.world_size)
+    cfg, note = fit_batch_to_steps(cfg, len(train_split), info.world_size)
     cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
-    note = batch_note(cfg, requested_batch)
     data_id = data_fingerprint(prepared_dir)
     held = held_out_digest(prepared_dir, held_out, ("train", "val"))
     if held:  # other photos than the store's splits: another run, never resumed from this one's last.pt
@@ -75,8 +75,7 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     parts = build_training(cfg, info, train_split, champion)
     ema = ModelEma(parts.model, decay_for_run(t.ema_decay, parts.schedule.total_steps)) if t.ema_decay else None
     val_split = balanced_subset(val_kept, t.val_images, cfg.seed)
-    val_loader = build_eval_loader(val_split, batch_size=max(t.batch_size, 256), rank=info.rank,
-                                   world_size=info.world_size)
+    val_loader = build_eval_loader(val_split, batch_size=eval_batch, rank=info.rank, world_size=info.world_size)
     val_transform = FastTransform(parts.aug, parts.mean, parts.std, train=False, channels_last=t.channels_last,
                                   seed=cfg.seed)
     fingerprint = ckpt.fingerprint(cfg, data_id)
@@ -126,8 +125,9 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
                    stopped_early=progress.stopped_early,
                    ema_decay=ema.decay if ema is not None else None,
                    optimizer_steps=parts.schedule.total_steps, batch_note=note, val_images=len(val_split),
+                   eval_batch=eval_batch,
                    calibration=calibrate_best(model_dir, val_kept, info.device, recipe,
-                                              read_index(prepared_dir).get("generation")),
+                                              read_index(prepared_dir).get("generation"), eval_batch),
                    stage_time_s=process_seconds())
     write_json(metrics_path, summary)
     write_json(model_dir / "config.json", cfg.to_dict())
