@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import shutil
+import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
@@ -218,6 +221,47 @@ def build_reproduced(root: Path) -> str:
 
 
 BACKGROUND["reproduced"] = build_reproduced
+
+
+class Ran(NamedTuple):
+    """What a stage run by `stage` left: its exit code and what it printed."""
+
+    code: int
+    err: str
+    out: str
+
+
+Stage = Callable[..., Ran]
+
+
+@pytest.fixture
+def stage(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Stage:
+    """`stage(cwd, script, *args)`: stages/<script> run as `python stages/<script> *args` from `cwd`, in
+    this process (a fresh interpreter spends ~5 s importing torch and timm). An exception the stage does
+    not turn into an exit code fails the test, as its traceback would fail the subprocess. What a stage
+    changes in the process is put back: the working folder, argv, the environment, warning filters and
+    torch's thread count."""
+    import torch
+
+    def run(cwd: Path, script: str, *args: str) -> Ran:
+        path = ROOT / "stages" / script
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", [str(path), *args])
+        environ, threads = dict(os.environ), torch.get_num_threads()
+        capsys.readouterr()
+        try:
+            with warnings.catch_warnings():
+                runpy.run_path(str(path), run_name="__main__")
+            code = 0
+        except SystemExit as exc:  # sys.exit's own rule: None is 0, an int itself, anything else 1
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            torch.set_num_threads(threads)
+        printed = capsys.readouterr()
+        return Ran(code, printed.err, printed.out)
+    return run
 
 
 def meta_lines(store: Path, split: str) -> list[dict]:

@@ -2,8 +2,6 @@
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +9,7 @@ import pytest
 from cnnpipe.evaluate.compare import limit_sentence, paired_significance, roofline_of, speed_spread
 from cnnpipe.evaluate.evaluation import split_warnings
 from cnnpipe.evaluate.stats import mcnemar_exact, median_iqr, ratio_range, wilson_interval
-from conftest import ROOT
+from conftest import ROOT, Stage
 
 
 def test_wilson_interval_matches_the_textbook_values():
@@ -116,13 +114,12 @@ def statistics_median(values: list[float]) -> float:
     return median_iqr(values)[1]
 
 
-def test_a_tiny_test_set_gets_a_warning_and_no_better_claim(tmp_path):
+def test_a_tiny_test_set_gets_a_warning_and_no_better_claim(tmp_path, stage: Stage):
     """24 test images, 14 vs 17 right: a 12.5-point gap that McNemar cannot back."""
     warning = split_warnings(24, ["val", "test"])
     _write_variant(tmp_path, "baseline", [i < 14 for i in range(24)], [80.0, 82.0], warning)
     _write_variant(tmp_path, "optimized", [i < 17 for i in range(24)], [81.0, 83.0], warning)
-    subprocess.run([sys.executable, str(ROOT / "stages" / "compare.py"), "--metrics", str(tmp_path)],
-                   capture_output=True, text=True, check=True)
+    assert stage(tmp_path, "compare.py", "--metrics", str(tmp_path)).code == 0
     md = (tmp_path / "compare.md").read_text()
     assert "**no significant difference**" in md and "better" not in md
     assert "small test split: 24 images" in md and "carved out of the training images" in md
@@ -131,31 +128,28 @@ def test_a_tiny_test_set_gets_a_warning_and_no_better_claim(tmp_path):
     assert result["significance"]["p_value"] == pytest.approx(mcnemar_exact(0, 3))
 
 
-def test_the_comparison_stands_when_the_charts_data_cannot_be_written(tmp_path):
+def test_the_comparison_stands_when_the_charts_data_cannot_be_written(tmp_path, stage: Stage):
     """compare.json and compare.md come first; a missing calibration file then fails the stage naming it."""
     for name, right in (("baseline", 14), ("optimized", 17)):
         _write_variant(tmp_path, name, [i < right for i in range(24)], [80.0, 82.0], [])
-    proc = subprocess.run([sys.executable, str(ROOT / "stages" / "compare.py"), "--metrics", str(tmp_path)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0 and json.loads((tmp_path / "plots" / "val_top1.json").read_text())[1] == {
+    proc = stage(tmp_path, "compare.py", "--metrics", str(tmp_path))
+    assert proc.code == 0 and json.loads((tmp_path / "plots" / "val_top1.json").read_text())[1] == {
         "epoch": 2, "baseline": 0.5, "optimized": 0.5}
     (tmp_path / "optimized" / "calibration_raw.csv").unlink()
     (tmp_path / "compare.json").unlink()
-    proc = subprocess.run([sys.executable, str(ROOT / "stages" / "compare.py"), "--metrics", str(tmp_path)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "optimized/calibration_raw.csv not found" in proc.stderr
+    proc = stage(tmp_path, "compare.py", "--metrics", str(tmp_path))
+    assert proc.code == 2 and "optimized/calibration_raw.csv not found" in proc.err
     assert (tmp_path / "compare.json").exists()
 
 
 @pytest.mark.parametrize("optimized_init", ["random", "torch-hub-cache:/root/.cache/torch/hub/checkpoints/r50.pth"])
-def test_the_headline_says_when_the_weights_not_the_recipe_may_be_the_gain(tmp_path, optimized_init):
+def test_the_headline_says_when_the_weights_not_the_recipe_may_be_the_gain(tmp_path, optimized_init, stage: Stage):
     """The shipped baseline is pinned to random init; the optimized recipe starts from weights when it
     finds them. compare.md's headline then says the gap is not all the recipe's, and how to train the
     baseline from the same weights; from the same start it says nothing of the kind."""
     _write_variant(tmp_path, "baseline", [i < 100 for i in range(400)], [80.0, 82.0], [])
     _write_variant(tmp_path, "optimized", [i < 300 for i in range(400)], [81.0, 83.0], [], init=optimized_init)
-    subprocess.run([sys.executable, str(ROOT / "stages" / "compare.py"), "--metrics", str(tmp_path)],
-                   capture_output=True, text=True, check=True)
+    assert stage(tmp_path, "compare.py", "--metrics", str(tmp_path)).code == 0
     headline = (tmp_path / "compare.md").read_text().split("| Metric |")[0]
     result = json.loads((tmp_path / "compare.json").read_text())
     assert result["starts"]["baseline"] == "random init"

@@ -2,8 +2,6 @@
 early stop on validation (the plan's side: tests/test_plan.py)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from cnnpipe.train.budget import apply_budget, fit_batch_to_split
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.ema import decay_for_run
 from cnnpipe.train.schedule import LrSchedule, early_stop
-from conftest import ROOT, tiny_params, write_params
+from conftest import Stage, tiny_params, write_params
 
 
 def auto_config(tmp_path, budget: dict | None = None, **train):
@@ -147,7 +145,7 @@ def test_a_catalog_smaller_than_the_batch_is_profiled_at_the_batch_training_halv
 
 
 @pytest.mark.slow
-def test_the_plan_stage_s_count_reaches_train_json(tmp_path, prepared):
+def test_the_plan_stage_s_count_reaches_train_json(tmp_path, prepared, stage: Stage):
     """stages/plan.py, then stages/train.py, as dvc.yaml runs them: the plan prints the count it fitted
     (here the ceiling: a tiny model on 20 minutes), budget.yaml carries it, train.json trained it."""
     write_params(tmp_path / "params.yaml", tiny_params(epochs="auto", min_epochs=2, max_epochs=3))
@@ -157,15 +155,13 @@ def test_the_plan_stage_s_count_reaches_train_json(tmp_path, prepared):
         (profiles / f"{variant}.json").write_text(json.dumps(
             {"throughput_img_s": 2000.0, "inference_img_s": 8000.0, "stage_time_s": 20.0, "startup_s": 5.0}))
 
-    def stage(*args: str) -> str:
-        proc = subprocess.run([sys.executable, str(ROOT / "stages" / args[0]), *args[1:], "--data", str(prepared)],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout
+    def printed(*args: str) -> str:
+        code, err, out = stage(tmp_path, *args, "--data", str(prepared))
+        assert code == 0, err[-3000:]
+        return out
 
-    printed = stage("plan.py")
-    assert "Epochs: **3** (train.epochs: auto, 2 to 3)" in printed
+    assert "Epochs: **3** (train.epochs: auto, 2 to 3)" in printed("plan.py")
     assert yaml.safe_load((tmp_path / "metrics" / "plan" / "budget.yaml").read_text())["epochs"] == 3
-    assert "epochs=3" in stage("train.py", "optimized")
+    assert "epochs=3" in printed("train.py", "optimized")
     train = json.loads((tmp_path / "metrics" / "optimized" / "train.json").read_text())
     assert train["epochs"] == train["epochs_planned"] == 3

@@ -1,7 +1,7 @@
 """What a user sees when something is missing or wrong: each stage's CLI exits with code 2 and a
 message that names the file or the params key and what to do (never a traceback).
 
-The stages run in this process (`stage`): the same script, arguments, working folder and
+The stages run in this process (conftest's `stage`): the same script, arguments, working folder and
 `sys.exit(main())` as dvc.yaml's command line, without a fresh interpreter's ~5 s of importing torch
 and timm per case. The process boundary itself is tested where it matters: test_weights.py runs the
 profile and train stages as subprocesses on bad weights, and every `dvc repro` test runs them all.
@@ -10,49 +10,14 @@ profile and train stages as subprocesses on bad weights, and every `dvc repro` t
 from __future__ import annotations
 
 import json
-import os
-import runpy
-import sys
-import warnings
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-import torch
 
 from cnnpipe.params import resolve
 from cnnpipe.train import engine
-from conftest import ROOT, tiny_params, write_params
+from conftest import Stage, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
-
-Stage = Callable[..., tuple[int, str]]
-
-
-@pytest.fixture
-def stage(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Stage:
-    """`stage(cwd, script, *args)`: stages/<script> run as `python stages/<script> *args` from `cwd`;
-    (exit code, stderr). An exception the stage does not turn into an exit code fails the test, as its
-    traceback would fail the subprocess. What a stage changes in the process is put back: the working
-    folder, argv, the environment, warning filters and torch's thread count."""
-    def run(cwd: Path, script: str, *args: str) -> tuple[int, str]:
-        path = ROOT / "stages" / script
-        monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", [str(path), *args])
-        environ, threads = dict(os.environ), torch.get_num_threads()
-        capsys.readouterr()
-        try:
-            with warnings.catch_warnings():
-                runpy.run_path(str(path), run_name="__main__")
-            code = 0
-        except SystemExit as exc:  # sys.exit's own rule: None is 0, an int itself, anything else 1
-            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-            torch.set_num_threads(threads)
-        return code, capsys.readouterr().err
-    return run
 
 
 def usage_error(code: int, err: str, *needles: str) -> None:
@@ -70,7 +35,7 @@ def test_an_unknown_params_section_stops_every_stage_naming_it(tmp_path, script,
     params = tiny_params()
     params["trian"] = {"lr": 0.1}  # a typo of `train`
     write_params(tmp_path / "params.yaml", params)
-    code, err = stage(tmp_path, script, *args)
+    code, err, _ = stage(tmp_path, script, *args)
     usage_error(code, err, "`trian`", "one of the top-level sections")
 
 
@@ -78,7 +43,7 @@ def test_an_unknown_model_name_is_named_with_its_key(tmp_path, prepared, stage: 
     params = tiny_params()
     params["model"]["name"] = "resnet5O"
     write_params(tmp_path / "params.yaml", params)
-    code, err = stage(tmp_path, "train.py", "optimized", "--data", str(prepared))
+    code, err, _ = stage(tmp_path, "train.py", "optimized", "--data", str(prepared))
     usage_error(code, err, "model.name='resnet5O' is not a timm model")
 
 
@@ -86,7 +51,7 @@ def test_a_missing_weights_file_is_named(tmp_path, prepared, stage: Stage):
     params = tiny_params()
     params["model"].update(pretrained="auto", weights_file=str(tmp_path / "nowhere.safetensors"))
     write_params(tmp_path / "params.yaml", params)
-    code, err = stage(tmp_path, "train.py", "optimized", "--data", str(prepared))
+    code, err, _ = stage(tmp_path, "train.py", "optimized", "--data", str(prepared))
     usage_error(code, err, "model.weights_file=", "nowhere.safetensors", "does not exist")
 
 
@@ -98,19 +63,19 @@ def test_missing_prepared_data_says_to_run_prepare(tmp_path, script, args, stage
     for v in ("baseline", "optimized"):
         (tmp_path / "metrics" / "profile" / f"{v}.json").write_text(json.dumps(
             {"throughput_img_s": 100.0, "inference_img_s": 300.0, "device": "cpu"}))
-    code, err = stage(tmp_path, script, *args)
+    code, err, _ = stage(tmp_path, script, *args)
     usage_error(code, err, "data/prepared", "dvc repro prepare")
 
 
 def test_a_plan_without_a_profile_names_the_stage_to_run(tmp_path, prepared, stage: Stage):
     write_params(tmp_path / "params.yaml", tiny_params())
-    code, err = stage(tmp_path, "plan.py", "--data", str(prepared))
+    code, err, _ = stage(tmp_path, "plan.py", "--data", str(prepared))
     usage_error(code, err, "metrics/profile/baseline.json not found", "dvc repro profile@baseline")
 
 
 def test_a_profile_report_without_profiles_names_the_stage_to_run(tmp_path, stage: Stage):
     write_params(tmp_path / "params.yaml", tiny_params())
-    code, err = stage(tmp_path, "profile_report.py")
+    code, err, _ = stage(tmp_path, "profile_report.py")
     usage_error(code, err, "baseline.json not found", "dvc repro profile@baseline")
 
 
@@ -119,25 +84,25 @@ def test_compare_without_predictions_names_the_file(tmp_path, stage: Stage):
         (tmp_path / "metrics" / v).mkdir(parents=True)
         (tmp_path / "metrics" / v / "train.json").write_text(json.dumps({"history": []}))
         (tmp_path / "metrics" / v / "eval.json").write_text(json.dumps({"top1": 0.5, "images": 10}))
-    code, err = stage(tmp_path, "compare.py")
+    code, err, _ = stage(tmp_path, "compare.py")
     usage_error(code, err, "predictions.csv")
 
 
 def test_evaluate_and_export_without_a_model_say_to_train(tmp_path, prepared, stage: Stage):
     write_params(tmp_path / "params.yaml", tiny_params())
-    code, err = stage(tmp_path, "evaluate.py", "optimized", "--data", str(prepared))
+    code, err, _ = stage(tmp_path, "evaluate.py", "optimized", "--data", str(prepared))
     usage_error(code, err, "models/optimized")
-    code, err = stage(tmp_path, "export.py", "optimized", "--data", str(prepared))
+    code, err, _ = stage(tmp_path, "export.py", "optimized", "--data", str(prepared))
     usage_error(code, err, "models/optimized")
 
 
 def test_a_budget_file_that_is_not_a_mapping_says_to_rerun_the_plan(tmp_path, prepared, stage: Stage):
     write_params(tmp_path / "params.yaml", tiny_params())
     (tmp_path / "budget.yaml").write_text("- just\n- a list\n")
-    code, err = stage(tmp_path, "train.py", "optimized", "--data", str(prepared), "--budget", "budget.yaml")
+    code, err, _ = stage(tmp_path, "train.py", "optimized", "--data", str(prepared), "--budget", "budget.yaml")
     usage_error(code, err, "budget.yaml", "dvc repro plan")
     (tmp_path / "budget.yaml").write_text("eval_batch: {optimized: half}\n")  # read before any model is
-    code, err = stage(tmp_path, "evaluate.py", "optimized", "--data", str(prepared), "--budget", "budget.yaml")
+    code, err, _ = stage(tmp_path, "evaluate.py", "optimized", "--data", str(prepared), "--budget", "budget.yaml")
     usage_error(code, err, "`eval_batch.optimized` = 'half'", "dvc repro plan")
 
 
@@ -146,7 +111,7 @@ def test_more_accumulation_steps_than_batches_is_named(tmp_path, prepared, stage
     (`schedule.batch_for_split`, down to 8); where not even batch 8 gives the step its micro-batches
     (67 batches of 8 an epoch here, for 128 accumulation steps) the error names the key."""
     write_params(tmp_path / "params.yaml", tiny_params(accum_steps=128, batch_size=32))
-    code, err = stage(tmp_path, "train.py", "optimized", "--data", str(prepared))
+    code, err, _ = stage(tmp_path, "train.py", "optimized", "--data", str(prepared))
     usage_error(code, err, "train.accum_steps=128 exceeds the 67 batches per epoch")
 
 
