@@ -1,8 +1,8 @@
 """Benchmark: inference images/s of a timm model at each batch size, in fp32 and bf16.
 
-The profile times inference at evaluation's batch (256) when its box has room, else at a halved one;
-the plan predicts evaluate, validation and export from that speed. Whether a halved batch's speed
-stands for batch 256 depends on the image size and the CPU: this measures it, eval mode, no autograd,
+The profile times inference at evaluation's batch (256) when its box has room, else at a halved one,
+and validation and evaluate then run at that batch (budget.yaml `eval_batch`). How much a batch's speed
+differs from 256's depends on the image size and the CPU: this measures it, eval mode, no autograd,
 the recipes' layouts (fp32 contiguous, as export and the baseline run; bf16 autocast channels_last, as
 the optimized recipe evaluates), timed as the profile times it (`engine.forward_times`: one untimed
 call, then the median of at least three timed calls, about `--images` images in all).

@@ -27,9 +27,13 @@ def main() -> int:
     try:
         cfg = resolve(load_params(args.params), args.variant)
         batch = eval_batch(read_budget(args.budget or Path(args.metrics) / "plan" / "budget.yaml"), args.variant)
+    except (ParamsError, ValueError) as exc:  # (a ValueError from evaluating itself would be a bug: a traceback)
+        print(f"evaluate[{args.variant}]: {exc}", file=sys.stderr)
+        return 2
+    try:
         result = evaluate(Path(args.models) / args.variant, Path(args.data), Path(args.metrics) / args.variant,
                           resolve_device(cfg.train.device), held_out=Path(args.held_out), batch_size=batch)
-    except (ParamsError, UnsafeCheckpoint, FileNotFoundError, ValueError) as exc:
+    except (ParamsError, UnsafeCheckpoint, FileNotFoundError) as exc:
         print(f"evaluate[{args.variant}]: {exc}", file=sys.stderr)
         return 2
     print(f"evaluate[{args.variant}]: top1={result['top1']:.4f} "

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from cnnpipe.deploy.export import OPSET, export_model
-from cnnpipe.train.budget import read_budget
+from cnnpipe.train.budget import export_batch, read_budget
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,14 +16,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("exports"), help="files go to <out>/<variant>/")
     parser.add_argument("--metrics", type=Path, default=Path("metrics"), help="<metrics>/<variant>/export.json")
     parser.add_argument("--budget", type=Path,
-                        help="the plan's budget.yaml: its parity_images, when set, caps the check")
+                        help="the plan's budget.yaml: its parity_images, when set, caps the check; its "
+                        "export_batch is the batch the check runs at")
     parser.add_argument("--max-images", type=int, help="parity on a class-balanced N of the test images (default: all)")
     args = parser.parse_args(argv)
     try:
-        caps = [n for n in (args.max_images, read_budget(args.budget).get("parity_images")) if n is not None]
+        budget = read_budget(args.budget)
+        caps = [n for n in (args.max_images, budget.get("parity_images")) if n is not None]
         limit = min(caps) if caps else None
         result = export_model(args.models / args.variant, args.data, args.out / args.variant,
-                              args.metrics / args.variant / "export.json", limit)
+                              args.metrics / args.variant / "export.json", limit, export_batch(budget, args.variant))
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"export[{args.variant}]: {exc}", file=sys.stderr)
         return 2

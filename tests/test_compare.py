@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from cnnpipe.evaluate.compare import limit_sentence, paired_significance, roofline_of, speed_spread
+from cnnpipe.evaluate.compare import (
+    compare,
+    limit_sentence,
+    load_variant,
+    paired_significance,
+    roofline_of,
+    speed_spread,
+    to_markdown,
+)
 from cnnpipe.evaluate.evaluation import split_warnings
 from cnnpipe.evaluate.stats import mcnemar_exact, median_iqr, ratio_range, wilson_interval
 from conftest import ROOT, Stage
@@ -119,7 +127,8 @@ def test_a_tiny_test_set_gets_a_warning_and_no_better_claim(tmp_path, stage: Sta
     warning = split_warnings(24, ["val", "test"])
     _write_variant(tmp_path, "baseline", [i < 14 for i in range(24)], [80.0, 82.0], warning)
     _write_variant(tmp_path, "optimized", [i < 17 for i in range(24)], [81.0, 83.0], warning)
-    assert stage(tmp_path, "compare.py", "--metrics", str(tmp_path)).code == 0
+    ran = stage(tmp_path, "compare.py", "--metrics", str(tmp_path))
+    assert ran.code == 0, ran.err[-3000:]
     md = (tmp_path / "compare.md").read_text()
     assert "**no significant difference**" in md and "better" not in md
     assert "small test split: 24 images" in md and "carved out of the training images" in md
@@ -149,7 +158,8 @@ def test_the_headline_says_when_the_weights_not_the_recipe_may_be_the_gain(tmp_p
     baseline from the same weights; from the same start it says nothing of the kind."""
     _write_variant(tmp_path, "baseline", [i < 100 for i in range(400)], [80.0, 82.0], [])
     _write_variant(tmp_path, "optimized", [i < 300 for i in range(400)], [81.0, 83.0], [], init=optimized_init)
-    assert stage(tmp_path, "compare.py", "--metrics", str(tmp_path)).code == 0
+    ran = stage(tmp_path, "compare.py", "--metrics", str(tmp_path))
+    assert ran.code == 0, ran.err[-3000:]
     headline = (tmp_path / "compare.md").read_text().split("| Metric |")[0]
     result = json.loads((tmp_path / "compare.json").read_text())
     assert result["starts"]["baseline"] == "random init"
@@ -165,6 +175,22 @@ def _exact_mcnemar(b: int, c: int) -> float:
     """Two-sided exact McNemar p-value, written out here independently of cnnpipe.evaluate.stats."""
     n, k = b + c, min(b, c)
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+
+
+def test_inference_speeds_timed_at_different_batches_get_no_ratio(tmp_path):
+    """A small box times each recipe's inference at its own batch (budget.yaml `eval_batch`); at 128 px on
+    a CPU batch 16 runs 1.3x batch 32 per image, so a ratio of the two would be the batches', not the recipes'."""
+    for name, right, batch in (("baseline", 14, 16), ("optimized", 17, 32)):
+        _write_variant(tmp_path, name, [i < right for i in range(24)], [80.0, 82.0], [])
+        path = tmp_path / name / "eval.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "eval_batch": batch}))
+    result = compare(load_variant(tmp_path, "baseline"), load_variant(tmp_path, "optimized"))
+    assert result["rows"]["eval_throughput_img_s"]["ratio"] is None
+    assert "| Inference (img/s, model only) | 500 | 500 | n/a (batch 16 vs 32) |" in to_markdown(result)
+    path = tmp_path / "optimized" / "eval.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "eval_batch": 16}))
+    same = compare(load_variant(tmp_path, "baseline"), load_variant(tmp_path, "optimized"))
+    assert same["rows"]["eval_throughput_img_s"]["ratio"] == 1.0
 
 
 def test_the_committed_comparison_agrees_with_the_committed_accuracies():

@@ -67,10 +67,12 @@ def test_repro_produces_every_output_and_metric(reproduced):
     prepared = json.loads((project / "metrics" / "data_report.json").read_text())["stage_time_s"]
     assert plan["spent_s"] == {"prepare": prepared} and prepared > 0
     # validation and evaluate run at the batch each profile timed inference at, through budget.yaml
-    timed = {v: json.loads((project / "metrics" / "profile" / f"{v}.json").read_text())["inference_batch"]
-             for v in ("baseline", "optimized")}
+    profiles = {v: json.loads((project / "metrics" / "profile" / f"{v}.json").read_text())
+                for v in ("baseline", "optimized")}
+    timed = {v: p["inference_batch"] for v, p in profiles.items()}
     assert yaml.safe_load((project / "metrics" / "plan" / "budget.yaml").read_text()) == {
-        "fraction": 1.0, "images_per_epoch": None, "val_images": None, "parity_images": None, "eval_batch": timed}
+        "fraction": 1.0, "images_per_epoch": None, "val_images": None, "parity_images": None, "eval_batch": timed,
+        "export_batch": {v: p["export_batch"] for v, p in profiles.items()}}
     assert (project / "metrics" / "profile" / "report.md").exists()
     assert yaml.safe_load((project / "metrics" / "profile" / "baseline_tuned.yaml").read_text()) == {}
     tuned = yaml.safe_load((project / "metrics" / "profile" / "optimized_tuned.yaml").read_text())
@@ -87,6 +89,7 @@ def test_repro_produces_every_output_and_metric(reproduced):
         assert (project / "metrics" / variant / "mistakes.png").read_bytes()[:4] == b"\x89PNG"
         exported = json.loads((project / "metrics" / variant / "export.json").read_text())
         assert exported["onnx"]["top1_agreement"] == 1.0 and exported["torchscript"]["top1_agreement"] == 1.0
+        assert exported["parity_batch"] == profiles[variant]["export_batch"]
         assert (project / "exports" / variant / "model.onnx").exists()
         assert 0.0 <= evaluation["top1"] <= evaluation["top5"] <= 1.0
         profile = json.loads((project / "metrics" / "profile" / f"{variant}.json").read_text())

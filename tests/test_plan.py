@@ -30,7 +30,7 @@ from cnnpipe.plan.plan import (
 )
 from cnnpipe.plan.text import to_text
 from cnnpipe.train import pacing
-from cnnpipe.train.budget import EVAL_BATCH, apply_budget, eval_batch
+from cnnpipe.train.budget import EVAL_BATCH, apply_budget, eval_batch, export_batch
 from cnnpipe.train.schedule import (
     MIN_BATCH,
     SMALLEST_BATCH,
@@ -55,9 +55,10 @@ def recipes(slowdown: float = 1.0, auto: tuple[int, int] | None = None) -> list[
 def test_a_run_that_fits_keeps_the_whole_split():
     plan = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=60)
     assert plan["fraction"] == 1.0 and plan["images_per_epoch"] == N_TRAIN and plan["fits"]
+    usual = {"baseline": EVAL_BATCH, "optimized": EVAL_BATCH}
     assert budget_values(plan) == {"fraction": 1.0, "images_per_epoch": None, "val_images": None,
                                    "parity_images": None,  # training sees no cap
-                                   "eval_batch": {"baseline": EVAL_BATCH, "optimized": EVAL_BATCH}}
+                                   "eval_batch": usual, "export_batch": usual}
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 2.0, 4.0])  # machines of this kind differ by 4x
@@ -325,12 +326,17 @@ def test_validation_and_evaluate_run_at_the_batch_the_profile_timed_inference_at
                                     - 6 * (EVAL_BATCH - 16) / 50.0)
     plan = make_plan([replace(recipes()[0], eval_batch=32), small], N_TRAIN, N_VAL, N_TEST, budget_minutes=60)
     assert budget_values(plan)["eval_batch"] == {"baseline": 32, "optimized": 16}
+    assert budget_values(plan)["export_batch"] == {"baseline": EVAL_BATCH, "optimized": EVAL_BATCH}
+    timed_export = recipe_from_profile(cfg, {**profile, "export_img_s": 20.0, "export_batch": 64})
+    assert export_batch(budget_values(make_plan([timed_export], N_TRAIN, N_VAL, N_TEST, 60)), "optimized") == 64
     assert "optimized 100 img/s training, ~50 img/s inference at batch 16" in to_text(plan)
     assert eval_batch(budget_values(plan), "optimized") == 16 and eval_batch({}, "optimized") == EVAL_BATCH
     with pytest.raises(ValueError, match=r"budget.yaml: `eval_batch.optimized` = 0 .*rerun `dvc repro plan`"):
         eval_batch({"eval_batch": {"optimized": 0}}, "optimized")
     with pytest.raises(ValueError, match=r"`eval_batch` = \[16\] is not a mapping"):
         eval_batch({"eval_batch": [16]}, "optimized")
+    with pytest.raises(ValueError, match=r"`export_batch.optimized` = True is not a batch size"):
+        export_batch({"export_batch": {"optimized": True}}, "optimized")
 
 
 def test_the_plan_trains_at_the_speed_the_trials_measured_throughout_the_profile():

@@ -193,7 +193,13 @@ def test_exports_match_pytorch_on_the_test_split(trained, tmp_path):
 def test_without_onnxruntime_export_says_only_the_checker_ran(trained, tmp_path, monkeypatch):
     _, prepared, models = trained
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if it never installed
-    result = export.export_model(models, prepared, tmp_path / "exports", tmp_path / "export.json", max_images=20)
+    batches = []
+    real = export.build_eval_loader
+    monkeypatch.setattr(export, "build_eval_loader", lambda split, batch_size, **kw:
+                        batches.append(batch_size) or real(split, batch_size=batch_size, **kw))
+    result = export.export_model(models, prepared, tmp_path / "exports", tmp_path / "export.json", max_images=20,
+                                 batch_size=8)  # the plan's export_batch: the one the profile timed
+    assert batches == [8] and result["parity_batch"] == 8
     assert result["onnx"] is None and result["onnx_checker"].startswith("onnx.checker")
     assert 15 <= result["images"] <= 25 and result["parity_on"].startswith("fixed class-balanced subset")
     assert "no numerical parity" in result["onnx_checker"]

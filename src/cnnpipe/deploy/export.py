@@ -25,6 +25,7 @@ from cnnpipe.data.splits.draw import balanced_subset
 from cnnpipe.data.store.shards import open_split, read_index
 from cnnpipe.files import write_json
 from cnnpipe.uptime import process_seconds
+from cnnpipe.train.budget import EVAL_BATCH
 from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, store_recipe
 from cnnpipe.train.trained import Calibrated, load_trained, make_transform
 
@@ -94,9 +95,9 @@ def _agreement(reference: torch.Tensor, other: torch.Tensor, labels: torch.Tenso
 @torch.no_grad()
 def parity(model: torch.nn.Module, scripted: torch.jit.ScriptModule,
            run_onnx: Callable[[np.ndarray], np.ndarray] | None, meta: dict,
-           prepared_dir: Path, max_images: int | None, batch_size: int = 250) -> dict[str, Any]:
+           prepared_dir: Path, max_images: int | None, batch_size: int = EVAL_BATCH) -> dict[str, Any]:
     """PyTorch vs TorchScript vs ONNX logits on the test split, or a fixed class-balanced subset of
-    `max_images` of it (the same fp32 inputs for all three)."""
+    `max_images` of it (the same fp32 inputs for all three), `batch_size` images at a time."""
     whole = open_split(prepared_dir, "test")
     split = balanced_subset(whole, max_images)
     transform = make_transform({**meta, "channels_last": False})
@@ -119,8 +120,9 @@ def parity(model: torch.nn.Module, scripted: torch.jit.ScriptModule,
 
 
 def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_path: Path,
-                 max_images: int | None = None) -> dict[str, Any]:
-    """Write model.ts, model.onnx and meta.json to `out_dir`, and the parity report to `metrics_path`."""
+                 max_images: int | None = None, batch_size: int = EVAL_BATCH) -> dict[str, Any]:
+    """Write model.ts, model.onnx and meta.json to `out_dir`, and the parity report to `metrics_path`;
+    the parity check runs at `batch_size` (the plan's `export_batch`: the batch the profile timed)."""
     cpu = torch.device("cpu")
     model, meta = load_trained(model_dir, cpu)
     other = recipe_differences(recipe_of(meta), store_recipe(read_index(prepared_dir)), STORE_KEYS)
@@ -139,7 +141,7 @@ def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TorchScript's deprecation notice; loading works
         scripted = torch.jit.load(str(out_dir / "model.ts"), map_location=cpu)
-    checks = parity(model, scripted, run_onnx, meta, prepared_dir, max_images)
+    checks = parity(model, scripted, run_onnx, meta, prepared_dir, max_images, batch_size)
     check_dynamic_batch(scripted, run_onnx, meta)
     write_json(out_dir / "meta.json", {
         "classes": meta["classes"], "image_size": meta["image_size"], "in_chans": meta["in_chans"],
@@ -155,6 +157,7 @@ def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_pat
         "export_time_s": {"torchscript": t_ts, "onnx": t_onnx},
         "size_mb": {f.suffix[1:]: f.stat().st_size / 2**20 for f in (out_dir / "model.ts", out_dir / "model.onnx")},
         **checks,
+        "parity_batch": batch_size,
         "stage_time_s": process_seconds(),
     }
     write_json(metrics_path, result)

@@ -85,6 +85,9 @@ def compare(base: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
         b, o = base[source].get(src_key), opt[source].get(src_key)
         rows[key] = {"baseline": b, "optimized": o,
                      "ratio": (o / b) if isinstance(b, (int, float)) and b and o is not None else None}
+    batches = (base["eval"].get("eval_batch"), opt["eval"].get("eval_batch"))
+    if None not in batches and batches[0] != batches[1]:  # each at its profile's batch: not one measurement
+        rows["eval_throughput_img_s"].update(ratio=None, ratio_note=f"n/a (batch {batches[0]} vs {batches[1]})")
     for k in (1, 5):
         for name, result in (("baseline", base), ("optimized", opt)):
             ci = (result["eval"].get(f"top{k}_ci95_low"), result["eval"].get(f"top{k}_ci95_high"))
@@ -231,7 +234,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines += ["| Metric | Baseline | Optimized | Optimized / baseline |", "| --- | ---: | ---: | ---: |"]
     for key, label, _, _, fmt in ROWS:
         row = result["rows"][key]
-        ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        ratio = row.get("ratio_note", "n/a") if row["ratio"] is None else f"{row['ratio']:.2f}x"
         lines.append(f"| {label} | {_cell(fmt, row, 'baseline')} | {_cell(fmt, row, 'optimized')} | {ratio} |")
     spread = result.get("speed_spread")
     if spread:
@@ -253,7 +256,7 @@ def to_markdown(result: dict[str, Any]) -> str:
                   f"DVC's own work between stages: {plan['predicted_total_s'] / 60:.1f} min predicted.",
                   "", "| Stage | Predicted | Actual | Actual / predicted |", "| --- | ---: | ---: | ---: |"]
         for name, row in plan["stages"].items():
-            ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+            ratio = row.get("ratio_note", "n/a") if row["ratio"] is None else f"{row['ratio']:.2f}x"
             predicted = "(measured)" if row["predicted_s"] is None else _fmt("{:.0f} s", row["predicted_s"])
             lines.append(f"| {name} | {predicted} | {_fmt('{:.0f} s', row['actual_s'])} | {ratio} |")
     lines += ["", "Most confident mistakes on the test split: [baseline](baseline/mistakes.png) · "

@@ -18,7 +18,8 @@ and the images per epoch shrink, as with a fixed count:
   (`VAL_UNDER_BUDGET`) and the export parity check on one of the test split (`PARITY_UNDER_BUDGET`);
   test evaluation always covers the whole test split;
 - validation and evaluation run at the batch each profile timed inference at (`eval_batch`, at most
-  evaluation's 256: smaller where the profile's box had no room for it), so what is predicted runs;
+  evaluation's 256: smaller where the profile's box had no room for it), and export's parity check
+  at the one it timed fp32 inference at (`export_batch`), so what is predicted runs;
 - hysteresis: the previous run's choice (fraction, and epochs under `auto`) is kept while its
   prediction stays within 75%..110% of the budget. Speed measurements drift by ~10% on shared
   machines; without this a run near a ladder step (or an epoch) would flip between two recipes
@@ -137,6 +138,8 @@ class Recipe:
     """One last.pt write on this machine's disk, as the profile measured it (0: not measured)."""
     eval_batch: int = EVAL_BATCH
     """The batch the profile timed inference at: validation and evaluation run at it (budget.yaml)."""
+    export_batch: int = EVAL_BATCH
+    """The batch the profile timed fp32 CPU inference at: export's parity check runs at it (budget.yaml)."""
 
     def batch_for(self, images_per_epoch: int) -> int:
         """The per-process batch training will use when each epoch draws `images_per_epoch` images
@@ -184,7 +187,8 @@ def recipe_from_profile(cfg: VariantConfig, profile: dict[str, Any]) -> Recipe:
                   auto_epochs=(t.min_epochs, t.max_epochs) if t.epochs == "auto" else None, patience=t.patience,
                   warmup_s=float(profile.get("warmup_s") or 0.0),
                   checkpoint_s=float(profile.get("checkpoint_s") or 0.0),
-                  eval_batch=int(profile.get("inference_batch") or EVAL_BATCH))
+                  eval_batch=int(profile.get("inference_batch") or EVAL_BATCH),
+                  export_batch=int(profile.get("export_batch") or EVAL_BATCH))
 
 
 def checked_images(fraction: float, n_val: int, n_test: int, val_images: int | None) -> tuple[int, int]:
@@ -358,6 +362,7 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
         "predicted_total_unbudgeted_s": unbudgeted,
         "batch": {r.variant: r.batch_for(images) * r.world_size * r.accum_steps for r in recipes},
         "eval_batch": {r.variant: r.eval_batch for r in recipes},
+        "export_batch": {r.variant: r.export_batch for r in recipes},
         "epochs": {r.variant: r.epochs for r in recipes},
         "epochs_auto": epochs,
         "epochs_range": epoch_range(recipes),
@@ -371,13 +376,12 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
 
 def budget_values(plan: dict[str, Any]) -> dict[str, Any]:
     """What training depends on: only the chosen values, so a re-measured plan that chooses the same
-    recipe retrains nothing. `epochs` only when a variant asks for `auto`. `eval_batch` changes only
-    where a profile's box holds another halving of evaluation's batch than before."""
+    recipe retrains nothing. `epochs` only when a variant asks for `auto`. The batches change only where
+    a profile's box holds another halving of 256 than before (then both variants train again)."""
     whole = plan["fraction"] >= 1.0
     values = {"fraction": plan["fraction"], "images_per_epoch": None if whole else plan["images_per_epoch"],
               "val_images": plan.get("val_images"), "parity_images": plan.get("parity_images")}
-    if plan.get("eval_batch"):  # (not in a plan.json from before the profiles timed inference)
-        values["eval_batch"] = plan["eval_batch"]
+    values.update({k: plan[k] for k in ("eval_batch", "export_batch") if k in plan})
     if plan.get("epochs_auto") is not None:
         values["epochs"] = plan["epochs_auto"]
     return values

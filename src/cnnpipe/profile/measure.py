@@ -204,8 +204,8 @@ def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[st
 
 def inference_times(s: Setup, batch: int = EVAL_BATCH, calls: int = 3) -> list[float]:
     """Seconds per forward pass of `batch` images through this setup's model (eval mode, no
-    autograd, its precision and layout): the speed validation, `evaluate` and `export` run at, for
-    the plan. Measured, because a training step's forward share overstates it by up to 2x."""
+    autograd, its precision and layout): the speed validation and `evaluate` run at, for the plan.
+    Measured, because a training step's forward share overstates it by up to 2x."""
     return forward_times(unwrap(s.ctx.model), s.in_chans, s.cfg.data.image_size, s.cfg.train.channels_last,
                          s.ctx.amp, s.device, batch=batch, calls=calls)
 

@@ -1,8 +1,8 @@
-"""The plan's choice, applied to training (the only part of the plan that `train` depends on): the
-epochs of `train.epochs: auto` and the images per epoch; the batch a run of that length trains at
-(`train.min_steps`); and the batch each variant's validation and evaluation run at.
+"""The plan's choice (metrics/plan/budget.yaml, the only part of the plan that `train` depends on):
+the epochs of `train.epochs: auto` and the images per epoch; the batch a run of that length trains
+at (`train.min_steps`); and the batches each variant's validation, evaluation and export check run at.
 
-Kept apart from `plan.py` so that refining a prediction never invalidates a trained model.
+Kept apart from `plan.py` so that refining a prediction retrains nothing unless it changes a choice.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from cnnpipe.files import read_yaml_mapping
 from cnnpipe.train.schedule import batch_for_split, choose_batch
 
 EVAL_BATCH = 256
-"""The batch validation, calibration and `evaluate` run at where the plan names none (a run outside
-`dvc repro`), and the one the profile times inference at when its box has room (`eval_batch`)."""
+"""The batch validation, calibration, `evaluate` and export's parity check run at where the plan names
+none (a run outside `dvc repro`), and the one the profile times inference at when its box has room."""
 
 
 def read_budget(path: Path | None) -> dict[str, Any]:
@@ -30,7 +30,7 @@ def apply_budget(cfg: VariantConfig, budget: dict[str, Any]) -> VariantConfig:
     changes: dict[str, Any] = {}
     if cfg.train.epochs == "auto" and budget.get("epochs") is not None:
         chosen = budget["epochs"]
-        if not (isinstance(chosen, int) and chosen >= 1):
+        if not (isinstance(chosen, int) and not isinstance(chosen, bool) and chosen >= 1):
             raise ValueError(f"budget.yaml: `epochs` = {chosen!r} is not a count of epochs; rerun `dvc repro plan`")
         changes["epochs"] = chosen
     for key in ("images_per_epoch", "val_images"):
@@ -55,15 +55,27 @@ def eval_batch(budget: dict[str, Any], variant: str) -> int:
     (budget.yaml `eval_batch`), so that the plan's prediction of both is of the batch they run at.
     On a CPU at 128 px a ResNet-50 infers 1.3-1.7x more images/s at batch 16 or 32 than at 256, and
     at 32 px 0.3-0.5x as many (`bench/inference_batch.py`): a timing at one batch does not carry to another."""
-    batches = budget.get("eval_batch")
+    return planned_batch(budget, "eval_batch", variant)
+
+
+def export_batch(budget: dict[str, Any], variant: str) -> int:
+    """The batch export's parity check runs at: the one the profile timed fp32 CPU inference at
+    (budget.yaml `export_batch`), for the same reason as `eval_batch`."""
+    return planned_batch(budget, "export_batch", variant)
+
+
+def planned_batch(budget: dict[str, Any], key: str, variant: str) -> int:
+    """budget.yaml's `key` for `variant`; `EVAL_BATCH` where the plan names none (no plan, or one from
+    before it carried the key)."""
+    batches = budget.get(key)
     if batches is not None and not isinstance(batches, dict):
-        raise ValueError(f"budget.yaml: `eval_batch` = {batches!r} is not a mapping of variants to batch sizes; "
+        raise ValueError(f"budget.yaml: `{key}` = {batches!r} is not a mapping of variants to batch sizes; "
                          "rerun `dvc repro plan`")
-    if not batches or variant not in batches:  # no plan (or one from before it timed inference): the usual batch
+    if not batches or variant not in batches:
         return EVAL_BATCH
     batch = batches[variant]
     if not (isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1):
-        raise ValueError(f"budget.yaml: `eval_batch.{variant}` = {batch!r} is not a batch size; rerun `dvc repro plan`")
+        raise ValueError(f"budget.yaml: `{key}.{variant}` = {batch!r} is not a batch size; rerun `dvc repro plan`")
     return batch
 
 
