@@ -339,6 +339,20 @@ def test_validation_and_evaluate_run_at_the_batch_the_profile_timed_inference_at
         export_batch({"export_batch": {"optimized": True}}, "optimized")
 
 
+def test_the_batches_change_with_the_plan_s_choice_not_with_every_re_measured_profile():
+    """A profile re-measured in a larger box (a new profile.budget_share) times inference at 256 where it
+    timed 32: while the plan keeps its fraction and epochs, budget.yaml keeps 32, so nothing retrains;
+    a new choice (it retrains anyway) takes the profile's batch."""
+    first = make_plan([replace(r, eval_batch=32, export_batch=64) for r in recipes()], N_TRAIN, N_VAL, N_TEST, 20)
+    again = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=20, previous=budget_values(first))
+    assert again["fraction"] == first["fraction"] and budget_values(again) == budget_values(first)
+    assert again["recipes"][0]["eval_batch"] == 32  # what runs is what evaluate's bench is predicted at
+    longer = make_plan(recipes(), N_TRAIN, N_VAL, N_TEST, budget_minutes=60, previous=budget_values(first))
+    assert longer["fraction"] != first["fraction"]
+    assert budget_values(longer)["eval_batch"] == budget_values(longer)["export_batch"] == {
+        "baseline": EVAL_BATCH, "optimized": EVAL_BATCH}
+
+
 def test_the_plan_trains_at_the_speed_the_trials_measured_throughout_the_profile():
     """The first timed window can catch a fast minute; the trials' current-setting blocks span the profile."""
     cfg = resolve(load_params(ROOT / "params.yaml"), "optimized")

@@ -345,6 +345,7 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
     budget_s = None if budget_minutes is None else budget_minutes * 60.0
     epochs, fraction, reason = choose(recipes, full, n_val, n_test, budget_s, previous, spent_s)
     recipes = recipes if epochs is None else at_epochs(recipes, epochs)
+    recipes = kept_batches(recipes, previous, epochs, fraction)
     images, stages, total = predict_total(recipes, fraction, full, n_val, n_test, spent_s)
     _, _, unbudgeted = predict_total(recipes, 1.0, full, n_val, n_test, spent_s)
     val_cap, parity_cap = checked_images(fraction, n_val, n_test, None) if fraction < 1.0 else (None, None)
@@ -374,10 +375,30 @@ def make_plan(recipes: Sequence[Recipe], n_train: int, n_val: int, n_test: int, 
     }
 
 
+def kept_batches(recipes: Sequence[Recipe], previous: dict[str, Any] | None, epochs: int | None,
+                 fraction: float) -> list[Recipe]:
+    """`recipes` with the previous run's `eval_batch` and `export_batch` where the plan keeps its previous
+    choice (the same fraction and epochs), else with the batches their profiles timed.
+
+    Training depends on budget.yaml, so a batch that followed every re-measured profile would retrain
+    both variants whenever a profile's box (a new `profile.budget_share`, a slower hour) holds another
+    halving of 256. The batches change with the training choice instead, when training reruns anyway;
+    while they are kept, the plan predicts them at the speed timed at the profile's batch."""
+    previous = previous or {}
+    if previous.get("fraction") != fraction or previous.get("epochs") != epochs:
+        return list(recipes)
+    out = []
+    for r in recipes:
+        kept = {key: batches[r.variant] for key in ("eval_batch", "export_batch")
+                if isinstance(batches := previous.get(key), dict) and isinstance(batches.get(r.variant), int)}
+        out.append(replace(r, **kept))
+    return out
+
+
 def budget_values(plan: dict[str, Any]) -> dict[str, Any]:
     """What training depends on: only the chosen values, so a re-measured plan that chooses the same
-    recipe retrains nothing. `epochs` only when a variant asks for `auto`. The batches change only where
-    a profile's box holds another halving of 256 than before (then both variants train again)."""
+    recipe retrains nothing. `epochs` only when a variant asks for `auto`; the batches change with the
+    choice (`kept_batches`)."""
     whole = plan["fraction"] >= 1.0
     values = {"fraction": plan["fraction"], "images_per_epoch": None if whole else plan["images_per_epoch"],
               "val_images": plan.get("val_images"), "parity_images": plan.get("parity_images")}
