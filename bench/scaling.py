@@ -55,7 +55,7 @@ def main() -> None:
             throughput[n] = summary["throughput_img_s"]
             eff = throughput[n] / (n * throughput[1])
             # On a CPU the N processes share the cores one process used: T_N / T_1 is what the plan
-            # multiplies by (plan.CPU_SHARED_CORES); on GPUs (a device each) it is N x efficiency.
+            # multiplies by (plan/scaling.py CPU_SHARED_CORES); on GPUs (a device each) it is N x efficiency.
             print(f"nproc={n}: {throughput[n]:.0f} img/s, {summary['threads_per_process']} threads/process, "
                   f"T_N/T_1={throughput[n] / throughput[1]:.2f}, scaling_efficiency={eff:.2f}", flush=True)
 

@@ -12,7 +12,7 @@ from cnnpipe.config import LAUNCH_ONLY
 from cnnpipe.data.loaders import host
 from cnnpipe.data.loaders.transforms import AugmentConfig, FastTransform
 from cnnpipe.params import resolve
-from cnnpipe.plan.plan import CPU_SHARED_CORES, DDP_EFFICIENCY, world_scaling
+from cnnpipe.plan.scaling import CPU_SHARED_CORES, DDP_EFFICIENCY, world_scaling
 from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train import distributed, trainer
 from cnnpipe.train.distributed import ConfigMismatch, DistInfo

@@ -36,6 +36,7 @@ from fractions import Fraction
 from typing import Any, Sequence
 
 from cnnpipe.config import VariantConfig
+from cnnpipe.plan.scaling import world_scaling
 from cnnpipe.train.budget import EVAL_BATCH
 from cnnpipe.train.schedule import batch_for_steps
 
@@ -54,17 +55,6 @@ VAL_UNDER_BUDGET = 1000
 best epoch, for a sixth of the cost of Fashion-MNIST's 6,000."""
 PARITY_UNDER_BUDGET = 1000
 """Test images the export parity check covers when the budget binds (the whole split otherwise)."""
-DDP_EFFICIENCY = 0.9
-"""Throughput per added GPU, or per added node, under DDP: stated, not measured here. The article's
-8-GPU run gave 7.2x (0.9); `bench/scaling.py` measures it on a real cluster."""
-CPU_SHARED_CORES = 0.85
-"""N training processes on one CPU node share the cores the profile's single process used, and
-all-reduce ResNet-50's 100 MB of gradients every step over loopback: the node trains at about this
-times one process's speed at the same per-process batch (measured 0.85: 2 processes of 1 thread at
-170 img/s vs 1 of 2 threads at 200, global batch 128, 32 px, Intel Xeon with AMX:
-`python bench/scaling.py --epochs 2`; a 2-process training then ran at 172 img/s where this predicts 170)."""
-
-
 CHECKPOINT_SHARE = 0.05
 """The most of training time last.pt writes may take (train/pacing.py's pace, which skips a due write
 beyond it); tests/test_plan.py checks the two agree."""
@@ -77,21 +67,6 @@ DVC_STAGE_S = 1.7
 """DVC's own work per stage it runs (hashing the outputs, caching them, writing dvc.lock), besides the
 stage's command: 24 s over 14 stages, measured between the commands' ends and starts of a whole
 `dvc repro` on the 2-core AMD EPYC (`python bench/own_images.py --budget 8 --per-class 450 --until compare`)."""
-
-
-def world_scaling(device: str, nproc: int, nnodes: int) -> tuple[float, str]:
-    """(speed factor over the profiled single process, how it was reckoned) for `nproc` x `nnodes`."""
-    if nproc * nnodes == 1:
-        return 1.0, "one process"
-    nodes = nnodes * (DDP_EFFICIENCY if nnodes > 1 else 1.0)
-    if device == "cuda":
-        factor = nproc * (DDP_EFFICIENCY if nproc > 1 else 1.0) * nodes
-        return factor, (f"{nproc} GPUs x {nnodes} node(s), {DDP_EFFICIENCY} per added GPU and node (stated): "
-                        f"{factor:.2f}x the profiled GPU")
-    factor = (CPU_SHARED_CORES if nproc > 1 else 1.0) * nodes
-    return factor, (f"{nproc} processes share each node's cores ({CPU_SHARED_CORES} of one process's speed, "
-                    f"measured), {nnodes} node(s){f' at {DDP_EFFICIENCY} each (stated)' if nnodes > 1 else ''}: "
-                    f"{factor:.2f}x the profiled process")
 
 
 @dataclass(frozen=True)
