@@ -223,6 +223,18 @@ def build_reproduced(root: Path) -> str:
 BACKGROUND["reproduced"] = build_reproduced
 
 
+def eval_loader_batches(monkeypatch: pytest.MonkeyPatch, *modules: Any) -> list[int]:
+    """The batch sizes each call to `build_eval_loader` in `modules` asks for, in call order (the loaders
+    are the real ones): how a test sees which batch the plan's `eval_batch`/`export_batch` reached."""
+    batches: list[int] = []
+    for module in modules:
+        def recording(split: Any, batch_size: int, real: Callable = module.build_eval_loader, **kw: Any) -> Any:
+            batches.append(batch_size)
+            return real(split, batch_size=batch_size, **kw)
+        monkeypatch.setattr(module, "build_eval_loader", recording)
+    return batches
+
+
 class Ran(NamedTuple):
     """What a stage run by `stage` left: its exit code and what it printed."""
 

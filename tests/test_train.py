@@ -19,7 +19,7 @@ from cnnpipe.train import checkpoint as ckpt
 from cnnpipe.train import engine, pacing, temperature, trainer
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.schedule import lr_at, warmup_steps
-from conftest import tiny_params, write_params
+from conftest import eval_loader_batches, tiny_params, write_params
 
 
 def run_config(tmp_path, variant="optimized", **train):
@@ -61,11 +61,7 @@ def test_min_steps_halves_the_batch_of_a_short_run(tmp_path, prepared):
 def test_validation_and_the_temperature_run_at_the_plan_s_eval_batch(tmp_path, prepared, monkeypatch):
     """`eval_batch` (budget.yaml's, the batch the profile timed inference at) reaches both loaders
     over the validation split, and train.json names it."""
-    batches = []
-    for module in (trainer, temperature):
-        real = module.build_eval_loader
-        monkeypatch.setattr(module, "build_eval_loader", lambda split, batch_size, real=real, **kw:
-                            batches.append(batch_size) or real(split, batch_size=batch_size, **kw))
+    batches = eval_loader_batches(monkeypatch, trainer, temperature)
     cfg = run_config(tmp_path, epochs=1, images_per_epoch=64)
     summary = trainer.fit(cfg, DistInfo(), prepared, tmp_path / "models", tmp_path / "train.json", tmp_path / "live",
                           eval_batch=16)

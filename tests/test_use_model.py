@@ -24,7 +24,7 @@ from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.engine import predict as engine_predict
 from cnnpipe.train.precision import autocast
 from cnnpipe.train.trained import load_trained, make_transform
-from conftest import built_once, save_image, tiny_params, write_fake_fmnist, write_params
+from conftest import built_once, eval_loader_batches, save_image, tiny_params, write_fake_fmnist, write_params
 
 
 def train_tiny_model(root: Path) -> None:
@@ -193,10 +193,7 @@ def test_exports_match_pytorch_on_the_test_split(trained, tmp_path):
 def test_without_onnxruntime_export_says_only_the_checker_ran(trained, tmp_path, monkeypatch):
     _, prepared, models = trained
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if it never installed
-    batches = []
-    real = export.build_eval_loader
-    monkeypatch.setattr(export, "build_eval_loader", lambda split, batch_size, **kw:
-                        batches.append(batch_size) or real(split, batch_size=batch_size, **kw))
+    batches = eval_loader_batches(monkeypatch, export)
     result = export.export_model(models, prepared, tmp_path / "exports", tmp_path / "export.json", max_images=20,
                                  batch_size=8)  # the plan's export_batch: the one the profile timed
     assert batches == [8] and result["parity_batch"] == 8
@@ -252,10 +249,7 @@ def test_evaluate_runs_the_test_split_at_the_plan_s_batch(trained, tmp_path, mon
     """The batch the profile timed inference at (budget.yaml `eval_batch`) is the one evaluate's loader
     gets; the answers do not depend on it."""
     _, prepared, models = trained
-    batches = []
-    real = evaluation.build_eval_loader
-    monkeypatch.setattr(evaluation, "build_eval_loader", lambda split, batch_size, **kw:
-                        batches.append(batch_size) or real(split, batch_size=batch_size, **kw))
+    batches = eval_loader_batches(monkeypatch, evaluation)
     small = evaluate(models, prepared, tmp_path / "at8", torch.device("cpu"), batch_size=8)
     usual = evaluate(models, prepared, tmp_path / "usual", torch.device("cpu"))
     assert batches == [8, 256] and (small["eval_batch"], usual["eval_batch"]) == (8, 256)
