@@ -6,6 +6,7 @@ from cnnpipe.profile.diagnosis import (
     BUSY_FRAC,
     COMM_FRAC,
     INPUT_WAIT_FRAC,
+    KERNEL_FRAC,
     MEMORY_FRAC,
     SYNC_COUNT,
     SYNC_FRAC,
@@ -67,6 +68,16 @@ def test_compute_advice_amp_and_layout():
     actions = " ".join(r.action for r in recs)
     assert "mixed precision" in actions and "channels_last" in actions
     assert diagnose(facts())[1] == []
+
+
+def test_page_faults_ask_for_the_kept_allocator_just_above_their_threshold():
+    assert diagnose(facts(kernel_frac=KERNEL_FRAC, page_faults_per_step=1e6))[0] == "compute"
+    label, recs = diagnose(facts(kernel_frac=0.25, page_faults_per_step=1.2e6))
+    assert label == "page_faults" and recs[0].knob == "malloc" and "train.malloc: keep" in recs[0].action
+    assert recs[0].evidence == {"kernel_frac": 0.25, "threshold": KERNEL_FRAC, "page_faults_per_step": 1200000}
+    assert "4.92 GB of pages a step" in recs[0].action and "1.33x" in recs[0].expected_gain
+    assert diagnose(facts(kernel_frac=0.25, malloc="keep"))[0] == "compute"  # already kept: the kernel's for other reasons
+    assert diagnose(facts(kernel_frac=0.25, fractions={"data_wait": 0.3}))[0] == "input"
 
 
 def test_input_outranks_everything_else():

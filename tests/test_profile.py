@@ -190,7 +190,11 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
     names = {e.get("name") for e in events}
     assert {"forward", "backward", "optimizer", "data_wait"} <= names
     assert any(n and n.startswith("ProfilerStep#") for n in names)
-    assert {t["knob"] for t in result["trials"]} == {"amp", "channels_last", "batch_size", "loader", "num_workers"}
+    assert {t["knob"] for t in result["trials"]} == {"amp", "channels_last", "batch_size", "loader", "num_workers",
+                                                      "malloc"}
+    assert [t["knob"] for t in result["trials"] if t["knob"] != "batch_size"][-1] == "malloc"  # the knobs' last
+    # the base's steps as the kernel saw them: the page faults and its share of the CPU time
+    assert result["malloc"] == "keep" and result["page_faults_per_step"] >= 0 and 0 <= result["kernel_frac"] < 1
     for trial in result["trials"]:
         low, high = trial["speedup_range"]
         assert low <= trial["speedup"] <= high and trial["before_img_s"] > 0 and trial["after_img_s"] > 0
@@ -198,7 +202,7 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
         # a second doubling of the batch must also add min_gain over the first (batch_trials)
         second_doubling = trial["knob"] == "batch_size" and "more than batch" in trial["note"]
         assert trial["win"] == (paired_rule and not second_doubling), trial
-    assert set(result["tuned"]) == {"amp", "channels_last", "loader", "num_workers", "decode"}  # the `auto` knobs
+    assert set(result["tuned"]) == {"amp", "channels_last", "loader", "num_workers", "decode", "malloc"}  # `auto`
     roofline = result["roofline"]  # the machine's peaks, and the step set against them
     assert min(roofline["peaks"][k] for k in ("bf16_gflops", "fp32_gflops", "copy_gbs")) > 0
     assert 0 < roofline["math_share"] <= 1 and roofline["step_gflop"] > 0
@@ -215,12 +219,13 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
     assert "| **step (median ± IQR)** |" in report and "Wins" in report
     assert "**Roofline:** the step runs at" in report and "| `aten::convolution` |" in report
     assert ("No rule fired" in report) == (not result["recommendations"])
+    assert "malloc=keep: " in report and " page faults a step, " in report and "of the CPU time in the kernel" in report
     quiet = to_markdown({"optimized": {**result, "recommendations": []}}, "breakdown.png")
     assert "No rule fired: forward + backward + optimizer are" in quiet
 
 
 def test_tuned_values_come_from_winning_trials_only(tmp_path):
-    requested = config(tmp_path)  # amp, channels_last, loader, num_workers, decode at `auto`
+    requested = config(tmp_path)  # amp, channels_last, loader, num_workers, decode, malloc at `auto`
     current = resolve_auto(requested, torch.device("cpu"))
     trials = [Trial("channels_last", {"channels_last": False}, 1.30, (1.2, 1.4), win=True),
               Trial("loader", {"loader": "baseline"}, 1.04, (1.01, 1.06), win=False),
@@ -229,7 +234,7 @@ def test_tuned_values_come_from_winning_trials_only(tmp_path):
               Trial("batch_size", {"batch_size": 64}, 2.0, (1.9, 2.1), win=True)]  # not an `auto` knob
     tuned = tuned_settings(requested, current, trials)
     assert tuned == {"amp": current.train.amp, "channels_last": False, "loader": "fast", "num_workers": 2,
-                     "decode": "cpu"}
+                     "decode": "cpu", "malloc": "keep"}
     # Two knobs changed and no combined trial measured them together: the plan gets no speed-up.
     assert tuned_speedup(current, tuned, trials, None) == 1.0
     combined = Trial("combined", {"channels_last": False, "num_workers": 2}, 1.5, (1.4, 1.6), win=True)
@@ -512,6 +517,32 @@ def test_trials_follow_the_diagnosis(tmp_path):
     assert "num_workers" in knobs({"loader"})  # an input-bound naive loader: workers are the other fix
     assert "pin_memory" not in knobs({"num_workers"})  # no host-to-device copy to speed up on the CPU
     assert knobs({"num_workers"}) >= {"num_workers"}
+
+
+def test_the_allocator_is_measured_when_auto_or_asked_for_and_always_last(tmp_path):
+    requested = config(tmp_path)  # the optimized recipe: `malloc: auto`
+    cfg = resolve_auto(requested, torch.device("cpu"))
+    ordered = [k for k, _ in candidates(cfg, requested, torch.device("cpu"), ["malloc", "loader"])]
+    assert ordered[0] == "loader" and ordered[-1] == "malloc"  # asked for first, and still last
+    assert ("malloc", {"malloc": "system"}) in candidates(cfg, requested, torch.device("cpu"), [])
+    baseline = config(tmp_path, "baseline")  # `malloc: system`, set by hand
+    base_cfg = resolve_auto(baseline, torch.device("cpu"))
+    assert "malloc" not in {k for k, _ in candidates(base_cfg, baseline, torch.device("cpu"), [])}
+    assert ("malloc", {"malloc": "keep"}) in candidates(base_cfg, baseline, torch.device("cpu"), ["malloc"])
+
+
+def test_each_block_of_a_trial_steps_under_its_own_allocator(monkeypatch, tmp_path, prepared):
+    """The allocator is the process's: the A/B blocks switch it with every block, warm-up step included."""
+    from cnnpipe.profile import measure
+
+    cfg = resolve_auto(config(tmp_path), torch.device("cpu"))
+    split = open_split(prepared, "train")
+    kept, system = (build_setup(cfg.with_train(malloc=m), DistInfo(), split) for m in ("keep", "system"))
+    stepped = []
+    monkeypatch.setattr(measure, "use_malloc", stepped.append)
+    trial = paired_trial("malloc", {"malloc": "system"}, kept, system, rounds=2, steps=1, min_gain=0.05)
+    assert trial.before_img_s > 0 and trial.after_img_s > 0
+    assert stepped == ["keep"] * 2 + ["system"] * 4 + ["keep"] * 2  # ABBA, an untimed step and a timed one each
 
 
 def test_candidates_the_hardware_rules_out_are_not_timed_unless_asked(monkeypatch, tmp_path):

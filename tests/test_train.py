@@ -62,10 +62,26 @@ def test_validation_and_the_temperature_run_at_the_plan_s_eval_batch(tmp_path, p
     """`eval_batch` (budget.yaml's, the batch the profile timed inference at) reaches both loaders
     over the validation split, and train.json names it."""
     batches = eval_loader_batches(monkeypatch, trainer, temperature)
+    agreed = []  # what every node must agree on before a step (one process here: nothing to exchange)
+    monkeypatch.setattr(trainer, "check_same_settings", lambda settings, *a: agreed.append(settings))
     cfg = run_config(tmp_path, epochs=1, images_per_epoch=64)
     summary = trainer.fit(cfg, DistInfo(), prepared, tmp_path / "models", tmp_path / "train.json", tmp_path / "live",
                           eval_batch=16)
-    assert batches == [16, 16] and summary["eval_batch"] == 16
+    assert batches == [16, 16] and summary["eval_batch"] == 16 and agreed[0]["eval_batch"] == 16
+
+
+@pytest.mark.parametrize("asked, tuned, runs", [("auto", None, "keep"), ("auto", {"malloc": "system"}, "system"),
+                                                 ("system", {"malloc": "keep"}, "system")])
+def test_training_runs_under_the_allocator_its_params_or_profile_chose(tmp_path, prepared, monkeypatch,
+                                                                     asked, tuned, runs):
+    """`train.malloc` as resolved (the profile's winner for `auto`, else keep) is set before the first
+    step, and train.json names it."""
+    chosen = []
+    monkeypatch.setattr(trainer, "use_malloc", chosen.append)
+    cfg = run_config(tmp_path, epochs=1, images_per_epoch=32, malloc=asked)
+    summary = trainer.fit(cfg, DistInfo(), prepared, tmp_path / "models", tmp_path / "train.json", tmp_path / "live",
+                          tuned=tuned)
+    assert chosen == [runs] and summary["malloc"] == runs
 
 
 def test_an_epoch_smaller_than_one_batch_trains_at_the_halving_that_fills_one_step(tmp_path, prepared):

@@ -196,7 +196,7 @@ def test_without_onnxruntime_export_says_only_the_checker_ran(trained, tmp_path,
     batches = eval_loader_batches(monkeypatch, export)
     result = export.export_model(models, prepared, tmp_path / "exports", tmp_path / "export.json", max_images=20,
                                  batch_size=8)  # the plan's export_batch: the one the profile timed
-    assert batches == [8] and result["parity_batch"] == 8
+    assert batches == [8] and result["parity_batch"] == 8 and result["malloc"] == "keep"
     assert result["onnx"] is None and result["onnx_checker"].startswith("onnx.checker")
     assert 15 <= result["images"] <= 25 and result["parity_on"].startswith("fixed class-balanced subset")
     assert "no numerical parity" in result["onnx_checker"]
@@ -253,6 +253,7 @@ def test_evaluate_runs_the_test_split_at_the_plan_s_batch(trained, tmp_path, mon
     small = evaluate(models, prepared, tmp_path / "at8", torch.device("cpu"), batch_size=8)
     usual = evaluate(models, prepared, tmp_path / "usual", torch.device("cpu"))
     assert batches == [8, 256] and (small["eval_batch"], usual["eval_batch"]) == (8, 256)
+    assert small["malloc"] == "keep"  # as warm as the process the profile timed inference in (cnnpipe.malloc)
     read = [list(csv.DictReader((tmp_path / d / "predictions.csv").open())) for d in ("at8", "usual")]
     assert [r["predicted"] for r in read[0]] == [r["predicted"] for r in read[1]] and small["top1"] == usual["top1"]
 

@@ -61,9 +61,8 @@ class DataConfig:
     next prepare draw every split again from `seed` and the fractions, and records the redraw under
     it; null (or a name already recorded): the ledger decides."""
     placeholder_groups: int = 5
-    """Identical bytes in more than this many groups (an ungrouped photo is a group of its own) or
-    labels are a placeholder ("image coming soon"): left out of every split and listed, never used to
-    keep groups together."""
+    """Identical bytes in more than this many groups (an ungrouped photo is a group of its own) or labels are a
+    placeholder ("image coming soon"): left out of every split and listed, never used to keep groups together."""
     label_conflicts: Literal["hold_out", "quarantine"] = "hold_out"
     """Identical bytes under several labels (one is wrong): `hold_out` puts every copy in the most
     held-out split any copy has (test when all were in train); `quarantine` leaves them all out."""
@@ -149,10 +148,9 @@ class TrainConfig:
     """`train:` section; `variants.<name>.train` overrides it per recipe."""
 
     epochs: int | Literal["auto"] = "auto"
-    """Training epochs (each draws `images_per_epoch` images). `auto`: as many as
-    `run.budget_minutes` holds after every other stage's predicted time, the same for every variant
-    that asks for `auto`, between `min_epochs` and `max_epochs` (the plan chooses: metrics/plan/
-    budget.yaml); with no budget, `max_epochs`."""
+    """Training epochs (each draws `images_per_epoch` images). `auto`: as many as `run.budget_minutes` holds
+    after every other stage's predicted time, the same for every variant that asks for `auto`, between
+    `min_epochs` and `max_epochs` (the plan chooses: metrics/plan/budget.yaml); with no budget, `max_epochs`."""
     min_epochs: int = 4
     """The fewest epochs `auto` trains: when even these do not fit the budget on the whole split, the
     plan draws fewer images per epoch instead. Also what `auto` trains without the plan's choice (the
@@ -164,9 +162,9 @@ class TrainConfig:
     """Early stop: end training once validation top-1 has not improved for this many epochs (best.pt
     keeps the best epoch's weights; train.json says when and why it stopped); null = train every epoch."""
     batch_size: int = 256
-    """Per-process batch size. A training split that gives each process fewer images per epoch than
-    one batch (a small folder of photos) trains at the largest halving of it that fills one step,
-    down to 8, whatever `min_steps`."""
+    """Per-process batch size. A training split that gives each process fewer images per epoch than one batch
+    (a small folder of photos) trains at the largest halving of it that fills one step, down to 8, whatever
+    `min_steps`."""
     lr: float = 0.2
     """Peak learning rate for a global batch of 256; scaled linearly with the real global batch."""
     optimizer: Literal["sgd", "adamw"] = "sgd"
@@ -219,6 +217,9 @@ class TrainConfig:
     raw store has nothing to decode."""
     pin_memory: bool | Literal["auto"] = True
     """Page-locked loader batches (CUDA only); `auto` takes the profile's measured winner (default true)."""
+    malloc: Literal["system", "keep", "auto"] = "auto"
+    """`keep`: freed memory stays in the process, no page faults each step (`cnnpipe.malloc`); `system`:
+    glibc's defaults; `auto`: the profile's measured winner (default keep where glibc is the C library)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc: int = 1
     """Processes per node; > 1 relaunches the stage under torchrun."""
@@ -379,8 +380,7 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class VariantConfig:
-    """One resolved variant (`variants.<name>` applied over the shared sections): everything its
-    stages need."""
+    """One resolved variant (`variants.<name>` applied over the shared sections): everything its stages need."""
 
     variant: str
     seed: int

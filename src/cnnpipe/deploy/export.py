@@ -24,6 +24,7 @@ from cnnpipe.data.loaders.host import build_eval_loader
 from cnnpipe.data.splits.draw import balanced_subset
 from cnnpipe.data.store.shards import open_split, read_index
 from cnnpipe.files import write_json
+from cnnpipe.malloc import keep_for_inference
 from cnnpipe.uptime import process_seconds
 from cnnpipe.train.budget import EVAL_BATCH
 from cnnpipe.train.recipe import STORE_KEYS, recipe_differences, recipe_of, store_recipe
@@ -124,6 +125,7 @@ def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_pat
     """Write model.ts, model.onnx and meta.json to `out_dir`, and the parity report to `metrics_path`;
     the parity check runs at `batch_size` (the plan's `export_batch`: the batch the profile timed)."""
     cpu = torch.device("cpu")
+    allocator = keep_for_inference()  # as warm as the process the profile timed fp32 inference in
     model, meta = load_trained(model_dir, cpu)
     other = recipe_differences(recipe_of(meta), store_recipe(read_index(prepared_dir)), STORE_KEYS)
     if other:
@@ -157,7 +159,7 @@ def export_model(model_dir: Path, prepared_dir: Path, out_dir: Path, metrics_pat
         "export_time_s": {"torchscript": t_ts, "onnx": t_onnx},
         "size_mb": {f.suffix[1:]: f.stat().st_size / 2**20 for f in (out_dir / "model.ts", out_dir / "model.onnx")},
         **checks,
-        "parity_batch": batch_size,
+        "parity_batch": batch_size, "malloc": allocator,
         "stage_time_s": process_seconds(),
     }
     write_json(metrics_path, result)

@@ -22,8 +22,8 @@ ROWS = (
     ("peak_mem_mb", "Peak memory (MB)", "train", "peak_mem_mb", "{:.0f}"),
     ("eval_throughput_img_s", "Inference (img/s, model only)", "eval", "model_throughput_img_s", "{:.0f}"),
 )
-SETTINGS = ("amp", "channels_last", "loader", "decode", "global_batch", "optimizer_steps", "images_per_epoch", "init",
-            "device", "world_size", "eval_batch")
+SETTINGS = ("amp", "channels_last", "loader", "decode", "malloc", "global_batch", "optimizer_steps", "images_per_epoch",
+            "init", "device", "world_size", "eval_batch")
 
 
 def load_predictions(path: Path) -> dict[str, list[str]]:

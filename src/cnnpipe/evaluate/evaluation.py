@@ -23,6 +23,7 @@ from cnnpipe.evaluate.metrics import (
 )
 from cnnpipe.evaluate.stats import SMALL_TEST, wilson_interval
 from cnnpipe.files import write_json
+from cnnpipe.malloc import keep_for_inference
 from cnnpipe.monitor import peak_mem_mb
 from cnnpipe.uptime import process_seconds
 from cnnpipe.train.budget import EVAL_BATCH
@@ -107,6 +108,7 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
     split (a model may have memorised them: counted in `once_trained_on_left_out`), are left out
     (`data.splits.held_out.open_judged`). The test split and the model-only speed run at `batch_size`
     (the plan's `eval_batch`: the batch the profile timed, so the plan predicts what runs)."""
+    allocator = keep_for_inference()  # as warm as the process the profile timed inference in
     model, meta = load_trained(model_dir, device)
     split, kept, memorised = open_judged(prepared_dir, "test", held_out, limit=max_images)
     loader = build_eval_loader(split, batch_size=batch_size)
@@ -130,7 +132,7 @@ def evaluate(model_dir: Path, prepared_dir: Path, out_dir: Path, device: torch.d
         "model_throughput_img_s": batch_size / statistics.median(forward_times(
             model, meta["in_chans"], meta["image_size"], bool(meta.get("channels_last")), meta["amp"], device,
             batch=batch_size)),
-        "eval_batch": batch_size,
+        "eval_batch": batch_size, "malloc": allocator,
         "peak_mem_mb": peak_mem_mb(device), "device": device.type, "amp": meta["amp"],
         "weights": meta["weights"],
         "warnings": split_warnings(n, read_index(prepared_dir).get("carved", [])),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-BOTTLENECKS = ("input", "compute", "host_sync", "small_batch", "memory", "communication")
+BOTTLENECKS = ("input", "compute", "host_sync", "page_faults", "small_batch", "memory", "communication")
 
 INPUT_WAIT_FRAC = 0.05
 COMM_FRAC = 0.10
@@ -21,6 +21,8 @@ BATCH_GAIN = 1.15  # throughput at 2x batch / at 1x batch above which the batch 
 SYNC_COUNT = 1.0  # host syncs per step from which a CUDA step drains its launch queue every step...
 BUSY_FRAC = 0.90  # ...and the GPU busy fraction below which that drain shows as idle time
 TENSOR_CORE_FRAC = 0.5  # share of matrix-kernel time on Tensor Cores below which AMP is advised
+KERNEL_FRAC = 0.05  # share of the step's CPU time in the kernel (faulting pages in) from which malloc is advised
+PAGE = 4096  # bytes a minor page fault maps (the evidence's GB a step)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class Facts:
     best_batch: int | None = None  # the largest batch whose doubling still paid, when measured
     host_syncs_per_step: float | None = None  # device→host reads (.item(), .cpu(), `if t:`) per step
     tensor_core_frac: float | None = None  # CUDA: share of matrix-kernel time in Tensor Core kernels
+    malloc: str = "system"  # train.malloc as profiled
+    kernel_frac: float | None = None  # share of the process's CPU time in the kernel over the timed steps
+    page_faults_per_step: float | None = None  # minor page faults a step (the process's, loader workers apart)
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,22 @@ def _memory(f: Facts) -> Recommendation | None:
                           "headroom to avoid OOM and allocator thrashing", "amp" if f.amp == "off" else None)
 
 
+def _page_faults(f: Facts) -> Recommendation | None:
+    """The kernel's share of the step: glibc unmaps the step's large blocks on free and the next step
+    faults every page of them in again, zeroed (`cnnpipe.malloc`)."""
+    if f.malloc != "system" or f.kernel_frac is None or f.kernel_frac <= KERNEL_FRAC:
+        return None
+    evidence: dict[str, Any] = {"kernel_frac": round(f.kernel_frac, 4), "threshold": KERNEL_FRAC}
+    faulted = ""
+    if f.page_faults_per_step is not None:
+        evidence["page_faults_per_step"] = round(f.page_faults_per_step)
+        faulted = f", faulting in {f.page_faults_per_step * PAGE / 1e9:.2f} GB of pages a step"
+    return Recommendation("page_faults", f"keep freed memory in the process (train.malloc: keep): the kernel "
+                          f"takes {f.kernel_frac:.0%} of the step's CPU time{faulted}", evidence,
+                          f"at least {1 / (1 - f.kernel_frac):.2f}x: the kernel's time, and the cold pages it hands back",
+                          "malloc")
+
+
 def _small_batch(f: Facts) -> Recommendation | None:
     low_util = f.utilization is not None and f.utilization < LOW_UTIL
     gains = f.batch_gain is not None and f.batch_gain > BATCH_GAIN
@@ -150,7 +171,7 @@ def _compute(f: Facts) -> list[Recommendation]:
 
 def diagnose(f: Facts) -> tuple[str, list[Recommendation]]:
     """The dominant bottleneck label and every recommendation that fired, most urgent first."""
-    ordered = [_input(f), _communication(f), _host_sync(f), _memory(f), _small_batch(f)]
+    ordered = [_input(f), _communication(f), _host_sync(f), _page_faults(f), _memory(f), _small_batch(f)]
     recs = [r for r in ordered if r is not None]
     compute_recs = _compute(f)
     label = recs[0].bottleneck if recs else "compute"

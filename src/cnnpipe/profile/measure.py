@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.loaders.host import TrainLoader
 from cnnpipe.data.store.shards import PreparedSplit
+from cnnpipe.malloc import use_malloc
 from cnnpipe.profile.box import TraceSteps
 from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
@@ -137,7 +138,9 @@ def build_setup(cfg: VariantConfig, info: DistInfo, split: PreparedSplit) -> Set
 
 def train_step(s: Setup, timer: RegionTimer | None = None, limit: int | None = None) -> None:
     """One optimizer step (all its micro-batches), each phase in its own region when `timer` is given;
-    `limit`: only the first `limit` images of each batch (the probe)."""
+    `limit`: only the first `limit` images of each batch (the probe). The process's allocator is set
+    to the setup's first (`train.malloc`): a trial's blocks alternate between two settings of it."""
+    use_malloc(s.cfg.train.malloc)
     region = timer.region if timer is not None else no_region
     accum = s.cfg.train.accum_steps
     for micro in range(accum):

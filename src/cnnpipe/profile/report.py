@@ -70,7 +70,7 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
         lines += ["", f"## {name}: bottleneck `{p['bottleneck']}`", "",
                   f"{p['device']}, {p['threads']} threads, {_image_size(p)}amp={p['amp']}, {_batch(p)}, "
                   f"CPU utilisation {p['cpu_util']:.0%}, peak memory {p['peak_mem_mb']:.0f} MB, "
-                  f"{_syncs(p)}{_gpu_facts(p)}.{_stage_time(p)}", ""]
+                  f"{_syncs(p)}{_faults(p)}{_gpu_facts(p)}.{_stage_time(p)}", ""]
         if p.get("roofline"):  # (profiles from before it was measured have none)
             lines += roofline_markdown(p["roofline"]) + [""]
         if not p["recommendations"]:
@@ -148,6 +148,14 @@ def _syncs(p: dict[str, Any]) -> str:
     if p["device"] == "cuda":
         return f"{n:.0f} host syncs per step"
     return f"{n:.0f} scalar reads to Python per step (`.item()`; ~1 µs each on the CPU, where nothing waits)"
+
+
+def _faults(p: dict[str, Any]) -> str:
+    """The allocator and what the kernel took of the step (profiles from before it was measured: nothing)."""
+    if p.get("kernel_frac") is None:
+        return ""
+    return (f", malloc={p['malloc']}: {p['page_faults_per_step']:,.0f} page faults a step, "
+            f"{p['kernel_frac']:.0%} of the CPU time in the kernel")
 
 
 def _gpu_facts(p: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import yaml
 
+from cnnpipe import malloc
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.store.shards import open_split
 from cnnpipe.files import write_json, write_text
@@ -94,7 +95,9 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         del setup  # (its model and optimizer state: the base builds its own)
         base = build_setup(measured, info, train)
     first_s = first_step_s(base)  # the recipe's batch: its first step at that shape (the warm-up)
+    start = malloc.usage()
     times, totals, cpu_util = timed_steps(base, warmup=0, steps=plan.base_steps())
+    kernel = malloc.KernelTime.since(start)
     step_s = statistics.median(times)
     warmup_s = max(0.0, first_s - step_s)
     per_image_s = step_s / base.images_per_step
@@ -126,7 +129,8 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=batch,
                   utilization=cpu_util if info.device.type == "cpu" else traced["gpu_busy_frac"],
                   memory_frac=mem_frac, host_syncs_per_step=traced["host_syncs_per_step"],
-                  tensor_core_frac=traced["tensor_core_frac"])
+                  tensor_core_frac=traced["tensor_core_frac"], malloc=t.malloc, kernel_frac=kernel.kernel_frac,
+                  page_faults_per_step=kernel.faults / len(times))
     results: list[Trial] = []
     tuned = {k: getattr(t, k) for k in auto_knobs(requested)}
     combined, smaller, gain = None, [], 1.0
@@ -170,6 +174,9 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "checkpoint_s": checkpoint_s,
         "fractions": facts.fractions,
         "cpu_util": cpu_util,
+        "malloc": t.malloc,
+        "kernel_frac": kernel.kernel_frac,
+        "page_faults_per_step": kernel.faults / len(times),
         **traced,
         "trace_steps": dataclasses.asdict(trace),
         "roofline": roofline,

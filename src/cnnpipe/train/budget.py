@@ -29,10 +29,7 @@ def apply_budget(cfg: VariantConfig, budget: dict[str, Any]) -> VariantConfig:
     validation images per epoch where they are lower than what the params ask for."""
     changes: dict[str, Any] = {}
     if cfg.train.epochs == "auto" and budget.get("epochs") is not None:
-        chosen = budget["epochs"]
-        if not (isinstance(chosen, int) and not isinstance(chosen, bool) and chosen >= 1):
-            raise ValueError(f"budget.yaml: `epochs` = {chosen!r} is not a count of epochs; rerun `dvc repro plan`")
-        changes["epochs"] = chosen
+        changes["epochs"] = _count(budget["epochs"], "epochs", "a count of epochs")
     for key in ("images_per_epoch", "val_images"):
         cap, current = budget.get(key), getattr(cfg.train, key)
         if cap is not None:
@@ -73,10 +70,14 @@ def planned_batch(budget: dict[str, Any], key: str, variant: str) -> int:
                          "rerun `dvc repro plan`")
     if not batches or variant not in batches:
         return EVAL_BATCH
-    batch = batches[variant]
-    if not (isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1):
-        raise ValueError(f"budget.yaml: `{key}.{variant}` = {batch!r} is not a batch size; rerun `dvc repro plan`")
-    return batch
+    return _count(batches[variant], f"{key}.{variant}", "a batch size")
+
+
+def _count(value: Any, key: str, what: str) -> int:
+    """budget.yaml's `key` when it is an integer >= 1 (not a bool, which is an int to Python)."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"budget.yaml: `{key}` = {value!r} is not {what}; rerun `dvc repro plan`")
+    return value
 
 
 def fit_batch_to_steps(cfg: VariantConfig, n_train: int, world_size: int) -> tuple[VariantConfig, str]:

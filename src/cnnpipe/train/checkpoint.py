@@ -17,10 +17,10 @@ from cnnpipe.config import LAUNCH_ONLY, VariantConfig
 from cnnpipe.files import atomic_path
 
 # Keys that may change between a crash and its resume, or differ between nodes, without changing
-# what training computes: how often it saves, the host's threads and loader workers, where it runs;
+# what training computes: how often it saves, the host's threads, loader workers and allocator, where it runs;
 # the bounds of `epochs: auto`, which count only through the count they chose (train.epochs, by then).
 RESUME_NEUTRAL = {("train", "checkpoint_every"), ("train", "threads"), ("train", "num_workers"),
-                  ("train", "pin_memory"), ("train", "min_epochs"), ("train", "max_epochs"),
+                  ("train", "pin_memory"), ("train", "malloc"), ("train", "min_epochs"), ("train", "max_epochs"),
                   *(("train", key) for key in LAUNCH_ONLY)}
 
 

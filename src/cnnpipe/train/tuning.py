@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from cnnpipe import malloc
 from cnnpipe.config import DataConfig, VariantConfig
 from cnnpipe.files import read_yaml_mapping
 from cnnpipe.train.precision import resolve_amp
@@ -25,7 +26,7 @@ between kernels), which shows none of what the recipes differ in; at 224 px the 
 and channels_last decide the speed (on an H200: the batched loader 1.83x over per-sample PIL,
 channels_last 1.93x in bf16; docs/benchmarks.md)."""
 
-TUNABLE = ("amp", "channels_last", "loader", "num_workers", "pin_memory", "compile", "decode")
+TUNABLE = ("amp", "channels_last", "loader", "num_workers", "pin_memory", "compile", "decode", "malloc")
 
 
 def auto_knobs(cfg: VariantConfig) -> list[str]:
@@ -37,6 +38,8 @@ def default_for(knob: str, device: torch.device) -> Any:
     """What `auto` means when no measurement is available."""
     if knob == "amp":  # (asks the device: only when amp is the knob)
         return resolve_amp("auto", device)
+    if knob == "malloc":  # `keep` needs glibc's mallopt
+        return "keep" if malloc.available() else "system"
     defaults = {"channels_last": True, "loader": "fast", "num_workers": 0, "pin_memory": True, "compile": "off",
                 "decode": "cpu"}
     return defaults[knob]
