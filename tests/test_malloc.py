@@ -22,23 +22,22 @@ from conftest import tiny_params, write_params
 pytestmark = pytest.mark.skipif(not malloc.available(), reason="glibc's mallopt: Linux with glibc only")
 
 STEP = """
-import json, sys, torch
+import json, statistics, sys, torch
 from cnnpipe import malloc
 for mode in sys.argv[1:]:
     malloc.use_malloc(mode)
 torch.manual_seed(0)
-net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1))
-x = torch.randn(16, 3, 128, 128)  # activations of 32 MiB, the cap of glibc's own threshold
+net = torch.nn.Sequential(torch.nn.Conv2d(3, 40, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(40, 40, 3, padding=1))
+x = torch.randn(16, 3, 128, 128)  # activations of 40 MiB, over glibc's own threshold at its cap
 faults = []
 for _ in range(6):
     start = malloc.usage()
     net(x).square().mean().backward()
     faults.append(malloc.KernelTime.since(start).faults)
-print(json.dumps({"faults": sorted(faults[2:])[1], "current": malloc.current()}))
+print(json.dumps({"faults": statistics.median(faults[2:]), "current": malloc.current()}))
 """
-"""A training step whose activations are 32 MiB each; its median page faults after two warm-up steps."""
-
-ACTIVATION_PAGES = (16 * 32 * 128 * 128 * 4) // 4096
+"""A training step whose activations are 40 MiB each; its median page faults after two warm-up steps.
+Counted in pages, which may be huge pages (transparent huge pages `always`): the tests compare counts."""
 
 
 def step_faults(*modes: str) -> dict:
@@ -50,14 +49,45 @@ def step_faults(*modes: str) -> dict:
 def test_keep_stops_each_step_faulting_its_freed_memory_in_again():
     system = step_faults()
     kept = step_faults("keep")
-    assert system["current"] == "system" and system["faults"] >= ACTIVATION_PAGES  # glibc's defaults
-    assert kept == {"faults": pytest.approx(0, abs=system["faults"] / 100), "current": "keep"}
+    assert system["current"] == "system" and system["faults"] > 0  # glibc's defaults: every step, again
+    # none on a quiet machine; a few thousand when the step's threads land elsewhere (a busy one)
+    assert kept["current"] == "keep" and kept["faults"] <= system["faults"] / 10
 
 
 def test_system_after_keep_faults_again_as_glibc_does():
     """The profile's A/B blocks switch back and forth in one process: `system` must be glibc's again."""
-    again = step_faults("keep", "system")
-    assert again["current"] == "system" and again["faults"] >= ACTIVATION_PAGES
+    fresh, again = step_faults(), step_faults("keep", "system")
+    assert again["current"] == "system" and again["faults"] == pytest.approx(fresh["faults"], rel=0.5)
+
+
+class RefusingLibc:
+    """glibc before 2.35: mallopt refuses an mmap threshold over half its 64 MiB arena heap."""
+
+    def __init__(self) -> None:
+        self.set: dict[int, int] = {}
+
+    def mallopt(self, param: int, value) -> int:
+        if param == malloc.M_MMAP_THRESHOLD and value.value > 32 << 20:
+            return 0
+        self.set[param] = value.value
+        return 1
+
+
+def test_an_older_glibc_keeps_what_its_mallopt_takes(monkeypatch):
+    libc = RefusingLibc()
+    monkeypatch.setattr(malloc, "_libc", lambda: libc)
+    monkeypatch.setattr(malloc, "_current", None)
+    malloc.use_malloc("keep")
+    assert libc.set == {malloc.M_MMAP_THRESHOLD: 32 << 20, malloc.M_TRIM_THRESHOLD: 2**31 - 1}
+    assert malloc.current() == "keep"
+
+
+def test_a_glibc_that_refuses_keep_is_an_error_for_training_and_not_for_evaluate(monkeypatch):
+    monkeypatch.setattr(malloc, "_libc", lambda: type("Refuses", (), {"mallopt": lambda self, p, v: 0})())
+    monkeypatch.setattr(malloc, "_current", None)
+    with pytest.raises(malloc.MallocUnavailable, match="set train.malloc: system"):
+        malloc.use_malloc("keep")
+    assert malloc.keep_for_inference() == "system"  # evaluate and export run at glibc's defaults instead
 
 
 def test_an_unknown_allocator_is_refused_naming_the_key(tmp_path):
@@ -73,6 +103,8 @@ def test_without_glibc_auto_means_system_and_keep_is_an_error_naming_the_key(mon
     cfg = resolve(load_params(write_params(tmp_path / "params.yaml", tiny_params())), "optimized")
     assert cfg.train.malloc == "auto" and default_for("malloc", torch.device("cpu")) == "system"
     assert resolve_auto(cfg, torch.device("cpu")).train.malloc == "system"
+    tuned_elsewhere = {"malloc": "keep"}  # a committed profile from a glibc machine
+    assert resolve_auto(cfg, torch.device("cpu"), tuned_elsewhere).train.malloc == "system"
     malloc.use_malloc("system")  # glibc's defaults: nothing to set, so nothing to refuse
     with pytest.raises(malloc.MallocUnavailable, match="train.malloc: keep needs glibc"):
         malloc.use_malloc("keep")

@@ -11,7 +11,8 @@ step 1.35x faster (`python bench/malloc.py`).
 `keep` raises both thresholds (`mallopt`, at run time: no preloaded allocator, no environment set
 before the interpreter starts) so freed blocks stay with the process for the next step; the process
 keeps its peak footprint instead of returning it between steps. `system` leaves glibc's defaults.
-Processes forked afterwards (loader workers) inherit the setting.
+Loader workers started by fork inherit the setting; spawned ones start at glibc's defaults (they
+hold a batch, not the model's activations).
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ from dataclasses import dataclass
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 """mallopt's parameter numbers (glibc's malloc.h)."""
 KEEP_MMAP_THRESHOLD = 1 << 30
-"""Blocks up to 1 GiB come from the heap; larger ones (rare: a batch of 256 at 224 px is 0.8 GiB a
-feature map at most) are still mapped, as before."""
+"""Blocks up to 1 GiB come from the main thread's heap (where PyTorch allocates a step's tensors);
+larger ones (a batch of 256 at 224 px is 0.8 GiB a feature map at most) are still mapped, as before.
+Other threads' arenas grow in heaps of 64 MiB, so a larger block of theirs is mapped whatever this says."""
+CAPPED_MMAP_THRESHOLD = 32 << 20
+"""The most glibc before 2.35 accepts (half its 64 MiB arena heap): `keep` falls back to it there,
+which keeps every block up to 32 MiB (and the heap's whole top) in the process."""
 KEEP_TRIM_THRESHOLD = (1 << 31) - 1
 """The most a C int holds: the heap's free top is never given back."""
-SYSTEM_MMAP_THRESHOLD = 32 << 20
+SYSTEM_MMAP_THRESHOLD = CAPPED_MMAP_THRESHOLD
 """What `system` returns to after `keep` in one process (the profile's A/B blocks): glibc's dynamic
 threshold at its cap, where a step that frees blocks of 32 MiB and more takes it. A step whose
 largest block is smaller leaves glibc's own lower, so this side of a trial is, if anything, faster
@@ -67,26 +72,39 @@ def use_malloc(mode: str) -> None:
     if not available():
         raise MallocUnavailable("train.malloc: keep needs glibc's mallopt, which this system's C library "
                                 "lacks; set train.malloc: system (or auto)")
-    libc = ctypes.CDLL(None)
-    mmap_at, trim_at = ((KEEP_MMAP_THRESHOLD, KEEP_TRIM_THRESHOLD) if mode == "keep"
-                        else (SYSTEM_MMAP_THRESHOLD, SYSTEM_TRIM_THRESHOLD))
-    if not (libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap_at)) and
-            libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim_at))):
+    mallopt = _libc().mallopt
+    if mode == "keep":
+        mmap_set = any(mallopt(M_MMAP_THRESHOLD, ctypes.c_int(at))
+                       for at in (KEEP_MMAP_THRESHOLD, CAPPED_MMAP_THRESHOLD))  # (glibc < 2.35: the second)
+        trim_set = mallopt(M_TRIM_THRESHOLD, ctypes.c_int(KEEP_TRIM_THRESHOLD))
+    else:
+        mmap_set = mallopt(M_MMAP_THRESHOLD, ctypes.c_int(SYSTEM_MMAP_THRESHOLD))
+        trim_set = mallopt(M_TRIM_THRESHOLD, ctypes.c_int(SYSTEM_TRIM_THRESHOLD))
+    if not (mmap_set and trim_set):
         raise MallocUnavailable(f"train.malloc: glibc refused mallopt's thresholds for `{mode}`; "
                                 "set train.malloc: system")
     _current = mode
 
 
-def keep_for_inference() -> str:
-    """`keep` where glibc is the C library, else nothing to set; returns the setting.
+def _libc() -> ctypes.CDLL:
+    """The process's C library (glibc, `available()` said so)."""
+    return ctypes.CDLL(None)
 
-    For cnnpipe's own passes over the test split (evaluate, export's parity check), whatever the
-    recipe trained with: the profile times inference in a process that has trained for a while, where
-    glibc's own thresholds have risen; a fresh process at glibc's defaults ran the same ResNet-50
-    0.77x as fast at 128 px, batch 16, on the 2-core AMD EPYC, one with `keep` 0.97x.
+
+def keep_for_inference() -> str:
+    """`keep` where glibc takes it (else glibc's defaults, never an error); returns the setting.
+
+    For the profile's inference timings and cnnpipe's own passes over the test split (evaluate,
+    export's parity check), whatever `train.malloc` says: they hold one model and one batch, and the
+    plan predicts the fresh processes of evaluate and export from the profile's timings, taken in a
+    process that has trained for a while. A fresh process at glibc's defaults inferred 0.8x as fast as
+    that one (ResNet-50, 128 px, batch 16: `python bench/malloc.py`, its second table), one at `keep` as fast.
     """
     if available():
-        use_malloc("keep")
+        try:
+            use_malloc("keep")
+        except MallocUnavailable:
+            pass  # (this glibc refused: its defaults stay)
     return current()
 
 

@@ -7,6 +7,7 @@ tuning guide, the TensorBoard profiler plugin's advice) and are tested at their 
 
 from __future__ import annotations
 
+import resource
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ SYNC_COUNT = 1.0  # host syncs per step from which a CUDA step drains its launch
 BUSY_FRAC = 0.90  # ...and the GPU busy fraction below which that drain shows as idle time
 TENSOR_CORE_FRAC = 0.5  # share of matrix-kernel time on Tensor Cores below which AMP is advised
 KERNEL_FRAC = 0.05  # share of the step's CPU time in the kernel (faulting pages in) from which malloc is advised
-PAGE = 4096  # bytes a minor page fault maps (the evidence's GB a step)
+PAGE = resource.getpagesize()  # bytes a minor page fault maps (the evidence's GB a step; huge pages: more)
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,10 @@ def _memory(f: Facts) -> Recommendation | None:
 
 
 def _page_faults(f: Facts) -> Recommendation | None:
-    """The kernel's share of the step: glibc unmaps the step's large blocks on free and the next step
-    faults every page of them in again, zeroed (`cnnpipe.malloc`)."""
-    if f.malloc != "system" or f.kernel_frac is None or f.kernel_frac <= KERNEL_FRAC:
+    """The kernel's share of a CPU step: glibc unmaps the step's large blocks on free and the next step
+    faults every page of them in again, zeroed (`cnnpipe.malloc`). `kernel_frac` is None where glibc's
+    mallopt is not there to set (the profile leaves it out)."""
+    if f.device != "cpu" or f.malloc != "system" or f.kernel_frac is None or f.kernel_frac <= KERNEL_FRAC:
         return None
     evidence: dict[str, Any] = {"kernel_frac": round(f.kernel_frac, 4), "threshold": KERNEL_FRAC}
     faulted = ""
@@ -131,7 +133,7 @@ def _page_faults(f: Facts) -> Recommendation | None:
         faulted = f", faulting in {f.page_faults_per_step * PAGE / 1e9:.2f} GB of pages a step"
     return Recommendation("page_faults", f"keep freed memory in the process (train.malloc: keep): the kernel "
                           f"takes {f.kernel_frac:.0%} of the step's CPU time{faulted}", evidence,
-                          f"at least {1 / (1 - f.kernel_frac):.2f}x: the kernel's time, and the cold pages it hands back",
+                          f"about {1 / (1 - f.kernel_frac):.2f}x from the kernel's time (the trial measures it)",
                           "malloc")
 
 

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.loaders.host import TrainLoader
 from cnnpipe.data.store.shards import PreparedSplit
-from cnnpipe.malloc import use_malloc
+from cnnpipe.malloc import keep_for_inference, use_malloc
 from cnnpipe.profile.box import TraceSteps
 from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
@@ -208,7 +208,9 @@ def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[st
 def inference_times(s: Setup, batch: int = EVAL_BATCH, calls: int = 3) -> list[float]:
     """Seconds per forward pass of `batch` images through this setup's model (eval mode, no
     autograd, its precision and layout): the speed validation and `evaluate` run at, for the plan.
-    Measured, because a training step's forward share overstates it by up to 2x."""
+    Measured, because a training step's forward share overstates it by up to 2x. Under the allocator
+    evaluate runs with (`malloc.keep_for_inference`), whatever the setup trains with."""
+    keep_for_inference()
     return forward_times(unwrap(s.ctx.model), s.in_chans, s.cfg.data.image_size, s.cfg.train.channels_last,
                          s.ctx.amp, s.device, batch=batch, calls=calls)
 
@@ -221,6 +223,7 @@ def cpu_fp32_inference(s: Setup, share_s: float | None = None, calls: int = 2) -
     one there: then at the largest halved batch that fits, sized by one call at batch 8 first (the
     CPU's speed has nothing to do with a GPU's, so nothing measured before can size it).
     """
+    keep_for_inference()  # as export runs
     model = copy.deepcopy(unwrap(s.ctx.model)).float().cpu().to(memory_format=torch.contiguous_format)
     cpu = torch.device("cpu")
     batch = EVAL_BATCH

@@ -129,8 +129,9 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
                   channels_last=t.channels_last, loader=t.loader, num_workers=t.num_workers, batch_size=batch,
                   utilization=cpu_util if info.device.type == "cpu" else traced["gpu_busy_frac"],
                   memory_frac=mem_frac, host_syncs_per_step=traced["host_syncs_per_step"],
-                  tensor_core_frac=traced["tensor_core_frac"], malloc=t.malloc, kernel_frac=kernel.kernel_frac,
-                  page_faults_per_step=kernel.faults / len(times))
+                  tensor_core_frac=traced["tensor_core_frac"], malloc=t.malloc,
+                  page_faults_per_step=kernel.faults / len(times),
+                  kernel_frac=kernel.kernel_frac if malloc.available() else None)  # (advice only where it applies)
     results: list[Trial] = []
     tuned = {k: getattr(t, k) for k in auto_knobs(requested)}
     combined, smaller, gain = None, [], 1.0

@@ -132,8 +132,8 @@ def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.devic
     """(knob, change) pairs to measure: every `auto` knob, plus the knobs the diagnosis points at.
 
     amp, channels_last and the loader are always measured (cheap, and the report shows each one's
-    gain over its hand setting); workers, pin_memory, compile and the allocator (`malloc`, where glibc
-    is the C library) only when asked for; the decode's place when `auto` on CUDA with a JPEG store
+    gain over its hand setting); workers, pin_memory, compile and the allocator (`malloc`, on a CPU
+    where glibc is the C library) only when asked for; the decode's place when `auto` on CUDA with a JPEG store
     (`encoding`) and the fast loader, the one case with two places to decode. The knobs in
     `recommended` (the diagnosis's, bottleneck first) come first, in its order; the allocator last.
     """
@@ -155,11 +155,11 @@ def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.devic
         out += [("compile", {"compile": m}) for m in modes]
     if "decode" in auto and device.type == "cuda" and encoding == "jpeg" and t.loader == "fast":
         out.append(("decode", {"decode": "cpu" if t.decode == "device" else "device"}))
-    if ("malloc" in auto or "malloc" in asked) and malloc.available():
+    if (("malloc" in auto and device.type == "cpu") or "malloc" in asked) and malloc.available():
         out.append(("malloc", {"malloc": "system" if t.malloc == "keep" else "keep"}))
     # the diagnosis's picks first: when the window is short, they are the trials that get measured;
-    # the allocator last of all: `system` after `keep` in one process is glibc's cap, not a fresh
-    # process's defaults (`cnnpipe.malloc`), so every other block runs before the first switch
+    # the allocator last of all: its blocks switch the process's allocator back and forth, and
+    # `system` after `keep` is glibc's thresholds at their cap (`cnnpipe.malloc`)
     rank = {knob: i for i, knob in enumerate(recommended)}
     return sorted(out, key=lambda kc: (kc[0] == "malloc", rank.get(kc[0], len(rank))))
 

@@ -51,8 +51,8 @@ def announce(cfg: VariantConfig, info: DistInfo, parts: TrainingParts, threads: 
     t = cfg.train
     print(f"train[{cfg.variant}]: {cfg.model.name} init={parts.init.source} device={info.device} "
           f"x{info.world_size} image_size={cfg.data.image_size} amp={parts.amp} channels_last={t.channels_last} "
-          f"compile={t.compile} epochs={t.epochs} loader={t.loader} decode={decode_place(cfg, parts.split)} malloc={t.malloc} "
-          f"batch={parts.global_batch}{f' ({note})' if note else ''} "
+          f"compile={t.compile} epochs={t.epochs} loader={t.loader} decode={decode_place(cfg, parts.split)} "
+          f"malloc={t.malloc} batch={parts.global_batch}{f' ({note})' if note else ''} "
           f"peak_lr={parts.schedule.peak_lr:.4g}{_backbone_note(cfg, parts)} images/epoch={parts.loader.sampler.n} "
           f"steps/epoch={parts.steps_per_epoch} threads={threads}", flush=True)
 

@@ -17,8 +17,8 @@ from cnnpipe.data.loaders.transforms import FastTransform
 from cnnpipe.data.splits.draw import balanced_subset
 from cnnpipe.data.store.shards import data_fingerprint, read_index
 from cnnpipe.files import file_sha256, write_json
-from cnnpipe.malloc import use_malloc
 from cnnpipe.hardware import usable_cores
+from cnnpipe.malloc import use_malloc
 from cnnpipe.monitor import GpuUtilSampler
 from cnnpipe.uptime import process_seconds
 from cnnpipe.train import checkpoint as ckpt
@@ -57,7 +57,6 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
         print(f"train[{cfg.variant}]: {epochs_note}", flush=True)
     cfg, note = fit_batch_to_steps(cfg, len(train_split), info.world_size)
     cfg = resolve_auto(cfg, info.device, tuned)  # after the batch: the profile may have tuned knobs per batch
-    use_malloc(cfg.train.malloc)  # before the model and the loader's workers (they inherit it)
     data_id = data_fingerprint(prepared_dir)
     held = held_out_digest(prepared_dir, held_out, ("train", "val"))
     if held:  # other photos than the store's splits: another run, never resumed from this one's last.pt
@@ -67,7 +66,9 @@ def fit(cfg: VariantConfig, info: DistInfo, prepared_dir: Path, model_dir: Path,
     # Before anything else: nodes that resolved different settings (or hold different data) would
     # disagree on the number of steps and wait on each other's collectives until a timeout.
     # The validation batch too: a node whose budget.yaml names another is one that missed `git pull`.
-    check_same_settings({**ckpt.computed_settings(cfg, data_id), "eval_batch": eval_batch}, info, cfg.train.node_rank)
+    check_same_settings({**ckpt.computed_settings(cfg, data_id), "eval_batch": eval_batch}, info,
+                        cfg.train.node_rank)
+    use_malloc(cfg.train.malloc)  # before the model and the loader's workers (forked ones inherit it)
     cfg = _workers_fit_cores(cfg, info)
     seed_everything(cfg.seed, info.rank)
     threads = set_threads(cfg, info)

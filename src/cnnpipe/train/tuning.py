@@ -84,6 +84,8 @@ def resolve_auto(cfg: VariantConfig, device: torch.device, tuned: dict[str, Any]
     changes.update({k: v for k, v in at_batch.items() if k in changes})
     if "amp" in changes:
         changes["amp"] = resolve_amp(changes["amp"], device)
+    if changes.get("malloc") == "keep" and not malloc.available():  # tuned on another host
+        changes["malloc"] = "system"
     if "decode" in changes:
         changes["decode"] = decode_for_loader(changes["decode"], changes.get("loader", cfg.train.loader))
     data = dataclasses.replace(cfg.data, image_size=image_size_for(cfg.data, device, cfg.model.name))
