@@ -71,13 +71,13 @@ def test_validation_and_the_temperature_run_at_the_plan_s_eval_batch(tmp_path, p
     assert batches == [16, 16] and summary["eval_batch"] == 16 and agreed[0]["eval_batch"] == 16
 
 
-@pytest.mark.skipif(not malloc.available(), reason="`auto` means keep where glibc's mallopt is")
-@pytest.mark.parametrize("asked, tuned, runs", [("auto", None, "keep"), ("auto", {"malloc": "system"}, "system"),
+@pytest.mark.skipif(not malloc.available(), reason="a tuned `keep` trains at system where glibc's mallopt is not")
+@pytest.mark.parametrize("asked, tuned, runs", [("auto", None, "system"), ("auto", {"malloc": "keep"}, "keep"),
                                                  ("system", {"malloc": "keep"}, "system")])
 def test_training_runs_under_the_allocator_its_params_or_profile_chose(tmp_path, prepared, monkeypatch,
                                                                      asked, tuned, runs):
-    """`train.malloc` as resolved (the profile's winner for `auto`, else keep) is set before the first
-    step, and train.json names it."""
+    """`train.malloc` as resolved (the profile's winner for `auto`, else glibc's defaults) is set before
+    the first step, and train.json names it."""
     chosen = []
     monkeypatch.setattr(trainer, "use_malloc", chosen.append)
     cfg = run_config(tmp_path, epochs=1, images_per_epoch=32, malloc=asked)

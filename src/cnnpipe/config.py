@@ -219,7 +219,7 @@ class TrainConfig:
     """Page-locked loader batches (CUDA only); `auto` takes the profile's measured winner (default true)."""
     malloc: Literal["system", "keep", "auto"] = "auto"
     """`keep`: freed memory stays in the process, no page faults each step (`cnnpipe.malloc`); `system`:
-    glibc's defaults; `auto`: the profile's measured winner (default keep where glibc is the C library)."""
+    glibc's defaults; `auto`: the profile's measured winner (default system: `keep` only where it won)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc: int = 1
     """Processes per node; > 1 relaunches the stage under torchrun."""

@@ -135,7 +135,8 @@ def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.devic
     gain over its hand setting); workers, pin_memory, compile and the allocator (`malloc`, on a CPU
     where glibc is the C library) only when asked for; the decode's place when `auto` on CUDA with a JPEG store
     (`encoding`) and the fast loader, the one case with two places to decode. The knobs in
-    `recommended` (the diagnosis's, bottleneck first) come first, in its order; the allocator last.
+    `recommended` (the diagnosis's, bottleneck first) come first, in its order; the allocator, when not
+    among them, last.
     """
     t, auto, asked = cfg.train, set(auto_knobs(requested)), set(recommended)
     out: list[tuple[str, dict[str, Any]]] = []
@@ -158,10 +159,10 @@ def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.devic
     if (("malloc" in auto and device.type == "cpu") or "malloc" in asked) and malloc.available():
         out.append(("malloc", {"malloc": "system" if t.malloc == "keep" else "keep"}))
     # the diagnosis's picks first: when the window is short, they are the trials that get measured;
-    # the allocator last of all: its blocks switch the process's allocator back and forth, and
-    # `system` after `keep` is glibc's thresholds at their cap (`cnnpipe.malloc`)
+    # the allocator, unless picked, last of all: its blocks switch the process's allocator back and
+    # forth, and `system` after `keep` is glibc's thresholds at their cap (`cnnpipe.malloc`)
     rank = {knob: i for i, knob in enumerate(recommended)}
-    return sorted(out, key=lambda kc: (kc[0] == "malloc", rank.get(kc[0], len(rank))))
+    return sorted(out, key=lambda kc: (kc[0] == "malloc" and kc[0] not in rank, rank.get(kc[0], len(rank))))
 
 
 def ruled_out(change: dict[str, Any], device: torch.device) -> str:
