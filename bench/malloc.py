@@ -5,9 +5,9 @@ system, keep, ...: the VM's speed drifts within minutes, each round's ratio is t
 neighbours). A run trains ResNet-50 (random weights: the speed does not depend on them) on random
 images for `--steps` steps after `--warmup`, with SGD and momentum, and reports the median step's
 images/s, its minor page faults, the kernel's share of the process's CPU time and the peak RSS.
-Each run also times inference (`engine.forward_times`, as the profile and evaluate do) at
-`--infer-batch` twice: first thing in the fresh process, and after its training steps, where the
-profile times it: the second table sets them side by side.
+Each run also times inference (`engine.forward_times`, as the profile and evaluate do; the median of
+10 calls) at `--infer-batch` twice: first thing in the fresh process, and after its training steps,
+where the profile times it: the second table sets them side by side.
 
     python bench/malloc.py                          # 32 and 128 px, batch 64 and 256, fp32 and bf16
     python bench/malloc.py --size 128 --batch 64 --rounds 3 --precision bf16
@@ -51,7 +51,7 @@ def child(mode: str, size: int, batch: int, precision: str, steps: int, warmup: 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def inference() -> float:
-        times = forward_times(model, 3, size, channels_last, amp, torch.device("cpu"), batch=infer_batch, calls=3)
+        times = forward_times(model, 3, size, channels_last, amp, torch.device("cpu"), batch=infer_batch, calls=10)
         return infer_batch / statistics.median(times)
 
     fresh = inference()

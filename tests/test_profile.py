@@ -220,7 +220,8 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
     assert "| **step (median ± IQR)** |" in report and "Wins" in report
     assert "**Roofline:** the step runs at" in report and "| `aten::convolution` |" in report
     assert ("No rule fired" in report) == (not result["recommendations"])
-    assert "malloc=system: " in report and " page faults a step, " in report and "of the CPU time in the kernel" in report
+    assert "malloc=system: " in report and " page faults a step, " in report
+    assert "of the CPU time in the kernel" in report
     quiet = to_markdown({"optimized": {**result, "recommendations": []}}, "breakdown.png")
     assert "No rule fired: forward + backward + optimizer are" in quiet
 
