@@ -4,9 +4,9 @@ glibc's malloc serves a block over its mmap threshold (128 KiB at start, rising 
 at most 32 MiB) from a fresh mapping and unmaps it on free, and gives the top of its heap back once
 more than twice that is free there. A training step frees its activations and gradients, tens to
 hundreds of MiB, and allocates them again in the next step: every page of them is faulted in and
-zeroed by the kernel again, every step. On the 2-core AMD EPYC that was 1.2 million page faults and
-a quarter of the CPU time of a ResNet-50 fp32 step at 128 px, batch 64; keeping the memory made the
-step 1.35x faster (`python bench/malloc.py`).
+zeroed by the kernel again, every step. On the 2-core AMD EPYC that was 1.1 million page faults and
+24% of the CPU time of a ResNet-50 fp32 step at 128 px, batch 64; keeping the memory made the step
+1.45x (1.37-1.53x) faster, and a bf16 one 1.17x; at 32 px, 1.00x and 1.03x (`python bench/malloc.py`).
 
 `keep` raises both thresholds (`mallopt`, at run time: no preloaded allocator, no environment set
 before the interpreter starts) so freed blocks stay with the process for the next step; the process
@@ -97,8 +97,9 @@ def keep_for_inference() -> str:
     For the profile's inference timings and cnnpipe's own passes over the test split (evaluate,
     export's parity check), whatever `train.malloc` says: they hold one model and one batch, and the
     plan predicts the fresh processes of evaluate and export from the profile's timings, taken in a
-    process that has trained for a while. A fresh process at glibc's defaults inferred 0.8x as fast as
-    that one (ResNet-50, 128 px, batch 16: `python bench/malloc.py`, its second table), one at `keep` as fast.
+    process that has trained for a while. A fresh process at glibc's defaults inferred 0.80-0.85x as fast
+    as that one (ResNet-50, 128 px, batch 16: `python bench/malloc.py`, its second table), one at `keep`
+    0.96-0.99x.
     """
     if available():
         try:
