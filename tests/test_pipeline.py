@@ -76,7 +76,7 @@ def test_repro_produces_every_output_and_metric(reproduced):
     assert (project / "metrics" / "profile" / "report.md").exists()
     assert yaml.safe_load((project / "metrics" / "profile" / "baseline_tuned.yaml").read_text()) == {}
     tuned = yaml.safe_load((project / "metrics" / "profile" / "optimized_tuned.yaml").read_text())
-    assert set(tuned) == {"channels_last", "loader", "num_workers", "amp", "decode"}
+    assert set(tuned) == {"channels_last", "loader", "num_workers", "amp", "decode", "malloc"}
     for variant in ("baseline", "optimized"):
         train = json.loads((project / "metrics" / variant / "train.json").read_text())
         for key in ("epochs", "epoch_time_s", "throughput_img_s", "data_wait_frac", "peak_mem_mb", "device",
@@ -204,7 +204,7 @@ def test_profile_params_retrain_only_when_the_tuned_values_change(project):
     assert {"profile@baseline", "profile@optimized"} <= ran and "train@baseline" not in ran
     assert ("train@optimized" in ran) == (after != before)
     assert after == {"amp": "bf16" if cpu_has_fast_bf16() else "off", "channels_last": True, "loader": "fast",
-                     "num_workers": 0, "decode": "cpu"}
+                     "num_workers": 0, "decode": "cpu", "malloc": "system"}
 
 
 def test_killed_repro_resumes_without_repeating_epochs(project, tmp_path):
