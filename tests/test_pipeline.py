@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from cnnpipe.plan.plan import KEEP_BAND
+from cnnpipe.profile.diagnosis import BOTTLENECKS
 from cnnpipe.train.precision import cpu_has_fast_bf16
 from conftest import (ROOT, base_params, build_reproduced, built_once, save_image, tiny_params,
                       write_params)
@@ -94,7 +95,7 @@ def test_repro_produces_every_output_and_metric(reproduced):
         assert 0.0 <= evaluation["top1"] <= evaluation["top5"] <= 1.0
         profile = json.loads((project / "metrics" / "profile" / f"{variant}.json").read_text())
         assert sum(profile["fractions"].values()) == pytest.approx(1.0)
-        assert profile["bottleneck"] in {"input", "compute", "host_sync", "small_batch", "memory", "communication"}
+        assert profile["bottleneck"] in BOTTLENECKS
         assert list((project / "logs" / "profile" / variant).glob("*.pt.trace.json*"))
         assert (project / "models" / variant / "best.pt").exists()
     compare = json.loads((project / "metrics" / "compare.json").read_text())
