@@ -29,7 +29,7 @@ def test_amp_and_channels_last_train_on_cuda(tmp_path, prepared, amp):
     info = DistInfo(device=torch.device("cuda", 0))
     s = build_setup(cuda_config(tmp_path, amp=amp, channels_last=True), info, open_split(prepared, "train"))
     assert (grad_scaler(amp, info.device) is not None) == (amp == "fp16")
-    times, totals, _ = timed_steps(s, warmup=2, steps=3)
+    times, totals, _, _ = timed_steps(s, warmup=2, steps=3)
     assert all(t > 0 for t in times) and totals["forward"] > 0
     assert next(s.ctx.model.parameters()).device.type == "cuda"
 

@@ -113,7 +113,7 @@ def test_timed_steps_wait_for_the_device_once_not_per_region(monkeypatch, tmp_pa
     monkeypatch.setattr(measure_mod, "sync_device", lambda d: waits.append(d))
     monkeypatch.setattr(engine_mod, "sync_device", lambda d: waits.append(d))
     s = build_setup(config(tmp_path), DistInfo(), open_split(prepared, "train"))
-    times, totals, _ = timed_steps(s, warmup=1, steps=4)
+    times, totals, _, _ = timed_steps(s, warmup=1, steps=4)
     assert len(times) == 4 and totals["forward"] > 0
     assert len(waits) <= 2
 
@@ -320,5 +320,5 @@ def test_a_store_smaller_than_the_model_input_is_upsampled_per_batch(tmp_path, p
         images, _ = s.next_batch()
         x = s.loader.device_transform(images)
         assert x.shape[-2:] == (2 * cfg.data.stored_size,) * 2
-        times, _, _ = timed_steps(s, warmup=0, steps=1)
+        times, _, _, _ = timed_steps(s, warmup=0, steps=1)
         assert times[0] > 0

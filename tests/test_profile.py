@@ -25,7 +25,7 @@ from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.clock import OUT_OF_TIME, TrialClock
 from cnnpipe.profile.decision import confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, diagnose
-from cnnpipe.profile.measure import build_setup, count_inside, fractions, timed_steps, trace_window
+from cnnpipe.profile.measure import Feed, build_setup, count_inside, fractions, timed_steps, trace_window
 from cnnpipe.profile.report import to_markdown, write_report
 from cnnpipe.profile.run import profile_variant, summary
 from cnnpipe.profile.box import TraceSteps
@@ -65,7 +65,7 @@ def label_of(cfg, prepared, setup_hook=None, batch_gain=None):
     s = build_setup(cfg, DistInfo(), open_split(prepared, "train"))
     if setup_hook:
         setup_hook(s)
-    _, totals, _ = timed_steps(s, warmup=1, steps=3)
+    _, totals, _, _ = timed_steps(s, warmup=1, steps=3)
     t = s.cfg.train
     facts = Facts(fractions=fractions(totals), amp=s.ctx.amp, channels_last=t.channels_last, loader=t.loader,
                   batch_size=t.batch_size, utilization=1.0, batch_gain=batch_gain)
@@ -87,7 +87,7 @@ def test_sleeping_dataset_is_input_bound(tmp_path, prepared):
     def slow_loader(s):
         sampler = ShardSampler(10_000, 16, shuffle=False, drop_last=True)
         s.loader = TrainLoader(DataLoader(SleepyDataset(), batch_size=16), sampler, s.loader.device_transform)
-        s._iter = None
+        s.feed = Feed(s.loader)
 
     label, fr = label_of(config(tmp_path, batch_size=16), prepared, slow_loader)
     assert label == "input" and fr["data_wait"] > 0.5
@@ -433,6 +433,13 @@ def test_batch_growth_stops_at_the_training_images_a_process_has(monkeypatch, tm
     assert not grown[1].win and grown[1].note == "not measured: over the 40 training images a process has an epoch"
 
 
+class FakeSetup:
+    """A setup that only knows how to be stepped under another allocator (`Setup.under`)."""
+
+    def under(self, **process):
+        return FakeSetup()
+
+
 def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(monkeypatch, tmp_path):
     import cnnpipe.profile.trials as prof
 
@@ -443,33 +450,39 @@ def test_smaller_batches_are_measured_for_min_steps_and_their_layout_retuned(mon
         if knob == "channels_last":  # NCHW wins at batch 64 only
             s = 1.10 if change["batch_size"] == 64 else 0.95
             return Trial(knob, change, s, (s, s), 100.0, 100.0 * s, win=s >= 1 + min_gain)
+        if knob == "malloc":  # glibc's defaults win back at batch 64 only, a step's blocks under its threshold
+            assert isinstance(current, FakeSetup) and isinstance(candidate, FakeSetup)  # (stepped in place)
+            s = 1.06 if change["batch_size"] == 64 else 0.90
+            return Trial(knob, change, s, (s, s), 100.0, 100.0 * s, win=s >= 1 + min_gain)
         return Trial(knob, change, 0.8, (0.75, 0.85), 100.0, 80.0, win=True)  # never a win, whatever it says
 
-    monkeypatch.setattr(prof, "build_setup", lambda *a: object())
+    monkeypatch.setattr(prof, "build_setup", lambda *a: FakeSetup())
     monkeypatch.setattr(prof, "paired_trial", fake_trial)
+    monkeypatch.setattr(prof.malloc, "available", lambda: True)
     none = config(tmp_path, batch_size=256, min_steps=None)
     assert prof.smaller_batch_trials(trial_ctx(none), prof.smaller_batches(none), {}, 1.0) == []
-    requested = config(tmp_path, batch_size=256, min_steps=500, channels_last="auto")
+    requested = config(tmp_path, batch_size=256, min_steps=500, channels_last="auto")  # (and `malloc: auto`)
     cfg = resolve_auto(requested, torch.device("cpu"))
     entries = prof.smaller_batch_trials(trial_ctx(cfg, requested=requested), prof.smaller_batches(cfg),
-                                        {"channels_last": True}, 1.25)
+                                        {"channels_last": True, "malloc": "keep"}, 1.25)
     assert [e["change"]["batch_size"] for e in entries] == [128, 64]  # down to MIN_BATCH
-    assert [k for k, _ in measured] == ["smaller_batch", "channels_last"] * 2
+    assert [k for k, _ in measured] == ["smaller_batch", "channels_last", "malloc"] * 2
+    assert [c["malloc"] for k, c in measured if k == "malloc"] == ["system", "system"]
     assert not any(e["win"] for e in entries)
-    assert entries[0]["at_batch"] == {} and entries[1]["at_batch"] == {"channels_last": False}
-    # Speed against the tuned recipe (1.25x the profiled one), with the re-tuned layout's gain at 64.
+    assert entries[0]["at_batch"] == {} and entries[1]["at_batch"] == {"channels_last": False, "malloc": "system"}
+    # Speed against the tuned recipe (1.25x the profiled one), with the re-tuned knobs' gains at 64.
     assert entries[0]["speed_vs_tuned"] == pytest.approx(0.8 / 1.25)
-    assert entries[1]["speed_vs_tuned"] == pytest.approx(0.8 * 1.10 / 1.25)
-    # Explicit layouts are never re-tuned.
+    assert entries[1]["speed_vs_tuned"] == pytest.approx(0.8 * 1.10 * 1.06 / 1.25)
+    # Explicit settings are never re-tuned.
     measured.clear()
-    fixed = config(tmp_path, batch_size=256, min_steps=500, channels_last=True)
+    fixed = config(tmp_path, batch_size=256, min_steps=500, channels_last=True, malloc="system")
     prof.smaller_batch_trials(trial_ctx(fixed), prof.smaller_batches(fixed), {}, 1.0)
     assert [k for k, _ in measured] == ["smaller_batch", "smaller_batch"]
     result = {"variant": "optimized", "step_time_median_s": 0.1, "throughput_img_s": 100.0, "fractions": {},
               "bottleneck": "compute", "recommendations": [], "trials": [], "combined_trial": None, "tuned": {},
               "batch_size": 256, "smaller_batches": entries}
-    assert ("batch 64 (for train.min_steps): 0.80x the speed of batch 256; channels_last=False there (1.10x)"
-            in summary(result))
+    assert ("batch 64 (for train.min_steps): 0.80x the speed of batch 256; channels_last=False there (1.10x); "
+            "malloc=system there (1.06x)" in summary(result))
 
 
 def test_training_takes_the_values_tuned_at_its_batch(tmp_path):
@@ -534,17 +547,60 @@ def test_the_allocator_is_measured_when_auto_or_asked_for_and_last_unless_asked(
 
 
 def test_each_block_of_a_trial_steps_under_its_own_allocator(monkeypatch, tmp_path, prepared):
-    """The allocator is the process's: the A/B blocks switch it with every block, warm-up step included."""
+    """The allocator is the process's: the A/B blocks switch it with every block, warm-up step included,
+    on one setup stepped in place (`Setup.under`: one model, one optimizer, one place in the epoch)."""
     from cnnpipe.profile import measure
 
-    cfg = resolve_auto(config(tmp_path), torch.device("cpu"))
-    split = open_split(prepared, "train")
-    kept, system = (build_setup(cfg.with_train(malloc=m), DistInfo(), split) for m in ("keep", "system"))
+    cfg = resolve_auto(config(tmp_path, malloc="keep"), torch.device("cpu"))
+    kept = build_setup(cfg, DistInfo(), open_split(prepared, "train"))
+    system = kept.under(malloc="system")
+    assert system.cfg.train.malloc == "system" and kept.cfg.train.malloc == "keep"
+    assert system.ctx is kept.ctx and system.loader is kept.loader and system.feed is kept.feed
+    weights = [p.detach().clone() for p in kept.ctx.model.parameters()]
     stepped = []
     monkeypatch.setattr(measure, "use_malloc", stepped.append)
     trial = paired_trial("malloc", {"malloc": "system"}, kept, system, rounds=2, steps=1, min_gain=0.05)
     assert trial.before_img_s > 0 and trial.after_img_s > 0
     assert stepped == ["keep"] * 2 + ["system"] * 4 + ["keep"] * 2  # ABBA, an untimed step and a timed one each
+    assert any(not torch.equal(w, p) for w, p in zip(weights, kept.ctx.model.parameters()))  # (its own model trained)
+    with pytest.raises(ValueError, match="channels_last"):
+        kept.under(channels_last=False)  # a layout is the model's: a trial builds a second setup for it
+
+
+class SizedSetup(FakeSetup):
+    """A fake setup at a batch: what a process knob's trial reads of it."""
+
+    def __init__(self, cfg, batch):
+        self.cfg, self.images_per_step = cfg.with_train(batch_size=batch), batch
+
+    def under(self, **process):
+        return SizedSetup(self.cfg.with_train(**process), self.images_per_step)
+
+
+def test_the_allocator_is_tried_at_the_measured_batch_not_the_halved_trial_batch(monkeypatch, tmp_path):
+    """Its gain depends on the size of a step's blocks: the trial steps the measured setup in place,
+    at its batch; where such a trial does not fit the clock, it is noted as not measured."""
+    import cnnpipe.profile.trials as prof
+
+    paired = []
+    monkeypatch.setattr(prof.malloc, "available", lambda: True)
+    monkeypatch.setattr(prof, "candidates", lambda *a: [("malloc", {"malloc": "keep"})])
+    monkeypatch.setattr(prof, "batch_trials", lambda *a, **k: [])
+    monkeypatch.setattr(prof, "paired_trial", lambda knob, change, current, candidate, rounds, steps, gain:
+                        paired.append((current, candidate, steps)) or Trial(knob, change, 1.2, (1.1, 1.3), win=True))
+    cfg = config(tmp_path, batch_size=64)
+    measured, small = SizedSetup(cfg, 64), SizedSetup(cfg, 16)
+    clock = TrialClock(window_s=100.0, block=8, trial_s=20.0, now=lambda: 0.0)
+    ctx = trial_ctx(cfg, base=measured, clock=clock).at(small)
+    assert ctx.measured is measured and ctx.base is small
+    (trial,) = prof.run_trials(ctx, [], grow_batch=False)[:1]
+    (current, candidate, steps), = paired
+    assert current is measured and candidate.cfg.train.malloc == "keep" and candidate.images_per_step == 64
+    assert steps == 2 and trial.win  # the block scaled to the batch: 8 steps of 16 images, 2 of 64
+    clock.trial_s = 40.0  # a trial at batch 64 would take 4 x 40 s: past the window
+    (unmeasured,) = prof.run_trials(ctx, [], grow_batch=False)[:1]
+    assert unmeasured.note == prof.NOT_AT_TRAINING_BATCH.format(measured=64, trial=16) and not unmeasured.win
+    assert len(paired) == 1
 
 
 def test_candidates_the_hardware_rules_out_are_not_timed_unless_asked(monkeypatch, tmp_path):

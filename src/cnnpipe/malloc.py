@@ -128,10 +128,14 @@ class KernelTime:
         return cls(now.ru_minflt - start.ru_minflt, now.ru_stime - start.ru_stime, now.ru_utime - start.ru_utime)
 
     @property
+    def cpu_s(self) -> float:
+        """The process's CPU seconds, in the kernel and out of it."""
+        return self.kernel_s + self.user_s
+
+    @property
     def kernel_frac(self) -> float:
         """The kernel's share of the CPU time (faulting pages in and zeroing them, above all)."""
-        total = self.kernel_s + self.user_s
-        return self.kernel_s / total if total > 0 else 0.0
+        return self.kernel_s / self.cpu_s if self.cpu_s > 0 else 0.0
 
 
 def usage() -> resource.struct_rusage:

@@ -14,10 +14,9 @@ import bisect
 import contextlib
 import copy
 import os
-import resource
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -28,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.loaders.host import TrainLoader
 from cnnpipe.data.store.shards import PreparedSplit
-from cnnpipe.malloc import keep_for_inference, use_malloc
+from cnnpipe.malloc import KernelTime, keep_for_inference, usage, use_malloc
 from cnnpipe.profile.box import TraceSteps
 from cnnpipe.profile.format import REGIONS
 from cnnpipe.profile.kernels import busy_fraction, tensor_core_share
@@ -85,6 +84,26 @@ def memory_frac(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / torch.cuda.get_device_properties(device).total_memory
 
 
+class Feed:
+    """A loader's batches, epoch after epoch: one per model, shared by every view of its setup."""
+
+    def __init__(self, loader: TrainLoader) -> None:
+        self.loader = loader
+        self.epoch = 0
+        self._iter: Iterator | None = None
+
+    def next(self):
+        if self._iter is None:
+            self._iter = iter(self.loader)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self.epoch += 1
+            self.loader.set_epoch(self.epoch)
+            self._iter = iter(self.loader)
+            return next(self._iter)
+
+
 @dataclass
 class Setup:
     """A ready-to-step training configuration (engine context and loader) for one variant."""
@@ -97,8 +116,10 @@ class Setup:
     split: PreparedSplit
     """The training split its loader reads, opened once for every setup of a profile."""
     step: int = 0
-    _iter: Iterator | None = None
-    _epoch: int = 0
+    feed: Feed = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.feed = Feed(self.loader)
 
     @property
     def device(self) -> torch.device:
@@ -114,15 +135,22 @@ class Setup:
         return self.split.encoding
 
     def next_batch(self):
-        if self._iter is None:
-            self._iter = iter(self.loader)
-        try:
-            return next(self._iter)
-        except StopIteration:
-            self._epoch += 1
-            self.loader.set_epoch(self._epoch)
-            self._iter = iter(self.loader)
-            return next(self._iter)
+        return self.feed.next()
+
+    def under(self, **process: Any) -> Setup:
+        """This very setup (model, optimizer, loader and its place in the epoch) stepped under other
+        process-wide settings (`PROCESS_KNOBS`): a trial's candidate with no second model in memory
+        and nothing to build, at whatever batch this one runs."""
+        if not set(process) <= set(PROCESS_KNOBS):
+            raise ValueError(f"only {PROCESS_KNOBS} change a setup in place, not {sorted(set(process))}")
+        view = replace(self, cfg=self.cfg.with_train(**process))
+        view.feed = self.feed  # (replace ran __post_init__: one feed, so the views share the epoch)
+        return view
+
+
+PROCESS_KNOBS = ("malloc",)
+"""Knobs that change the process, not the model or its loader: a trial steps the current setup
+itself under the candidate (`Setup.under`)."""
 
 
 def build_setup(cfg: VariantConfig, info: DistInfo, split: PreparedSplit) -> Setup:
@@ -188,21 +216,23 @@ def checkpoint_write_s(s: Setup, folder: Path) -> float:
         path.unlink(missing_ok=True)
 
 
-def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[str, float], float]:
-    """(step times, region totals, CPU utilisation) over `steps` steps after `warmup`."""
+def timed_steps(s: Setup, warmup: int, steps: int) -> tuple[list[float], dict[str, float], float, KernelTime]:
+    """(step times, region totals, CPU utilisation, page faults and kernel time) over `steps` steps
+    after `warmup`."""
     timer = RegionTimer(s.device, enabled=False)
     for _ in range(warmup):
         train_step(s, timer)
     timer.enabled = True
     sync_device(s.device)
-    cpu0, wall0 = _cpu_seconds(), time.perf_counter()
+    start, wall0 = usage(), time.perf_counter()
     spans = Spans(s.device)
     for _ in range(steps):
         with spans.span():
             train_step(s, timer)
     times = spans.durations()  # (waits for the device on CUDA)
-    cpu_util = (_cpu_seconds() - cpu0) / (time.perf_counter() - wall0) / max(1, torch.get_num_threads())
-    return times, timer.totals, cpu_util
+    kernel = KernelTime.since(start)
+    cpu_util = kernel.cpu_s / (time.perf_counter() - wall0) / max(1, torch.get_num_threads())
+    return times, timer.totals, cpu_util, kernel
 
 
 def inference_times(s: Setup, batch: int = EVAL_BATCH, calls: int = 3) -> list[float]:
@@ -234,11 +264,6 @@ def cpu_fp32_inference(s: Setup, share_s: float | None = None, calls: int = 2) -
             batch //= 2
     times = forward_times(model, s.in_chans, s.cfg.data.image_size, False, "off", cpu, batch=batch, calls=calls)
     return batch / statistics.median(times), batch
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def trace_window(s: Setup, trace_dir: Path, worker: str, steps: TraceSteps, step_s: float,

@@ -95,9 +95,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         del setup  # (its model and optimizer state: the base builds its own)
         base = build_setup(measured, info, train)
     first_s = first_step_s(base)  # the recipe's batch: its first step at that shape (the warm-up)
-    start = malloc.usage()
-    times, totals, cpu_util = timed_steps(base, warmup=0, steps=plan.base_steps())
-    kernel = malloc.KernelTime.since(start)
+    times, totals, cpu_util, kernel = timed_steps(base, warmup=0, steps=plan.base_steps())
     step_s = statistics.median(times)
     warmup_s = max(0.0, first_s - step_s)
     per_image_s = step_s / base.images_per_step

@@ -18,7 +18,7 @@ from cnnpipe.hardware import cpu_has_fast_bf16
 from cnnpipe.profile.box import PREDICTED
 from cnnpipe.profile.clock import COMPILE_S, OUT_OF_TIME, TrialClock
 from cnnpipe.profile.diagnosis import MEMORY_FRAC
-from cnnpipe.profile.measure import Setup, build_setup, memory_frac, train_step
+from cnnpipe.profile.measure import PROCESS_KNOBS, Setup, build_setup, memory_frac, train_step
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.engine import Spans, sync_device
 from cnnpipe.train.schedule import halved_batches
@@ -58,6 +58,9 @@ class TrialContext:
     """The training split every candidate reads (opened once by the profile)."""
     base: Setup
     clock: TrialClock
+    measured: Setup | None = None
+    """The setup at the batch the profile measured, where `base` is one at a smaller trial batch
+    (None: `base` is it). The process knobs are tried there (`process_trial`)."""
 
     @property
     def encoding(self) -> str:
@@ -66,7 +69,7 @@ class TrialContext:
 
     def at(self, base: Setup) -> TrialContext:
         """The same trials measured against `base` instead, at its config (another batch)."""
-        return dataclasses.replace(self, cfg=base.cfg, base=base)
+        return dataclasses.replace(self, cfg=base.cfg, base=base, measured=self.measured or self.base)
 
     def build(self, **change: Any) -> Setup:
         """A setup of the profiled config with `change` applied."""
@@ -183,12 +186,15 @@ def run_trials(ctx: TrialContext, recommended: Sequence[str], grow_batch: bool =
     candidate whose turn comes when the clock has no room for another trial is noted, not timed."""
     p, clock, results = ctx.cfg.profile, ctx.clock, []
     for knob, change in candidates(ctx.cfg, ctx.requested, ctx.info.device, recommended, ctx.encoding):
-        if clock.out_of_time(COMPILE_S if knob == "compile" else 0.0):
-            reason = OUT_OF_TIME
+        if clock.out_of_time(extra_s(ctx, knob)):
+            reason = out_of_time_note(ctx, knob)
         else:  # `profile.trial_ruled_out` times what the hardware rules out too
             reason = "" if p.trial_ruled_out else ruled_out(change, ctx.info.device)
         if reason:
             results.append(Trial(knob, change, note=reason))
+            continue
+        if knob in PROCESS_KNOBS:  # (nothing built, maybe at a larger batch: not what the next trial takes)
+            results.append(process_trial(ctx, knob, change))
             continue
         with clock.timing():
             if knob == "compile":
@@ -202,6 +208,49 @@ def run_trials(ctx: TrialContext, recommended: Sequence[str], grow_batch: bool =
     else:
         results.append(Trial("batch_size", {"batch_size": ctx.cfg.train.batch_size * 2}, note=LARGER_DO_NOT_FIT))
     return results
+
+
+NOT_AT_TRAINING_BATCH = ("not measured: its gain depends on the size of a step's blocks, and no trial at the "
+                         "batch {measured} fits the box (the others ran at batch {trial})")
+
+
+def extra_s(ctx: TrialContext, knob: str) -> float:
+    """Seconds `knob`'s trial takes beyond the clock's usual one: the compile; for a process knob,
+    its trial at the measured batch (the others' length scaled by the batch; nothing is built)."""
+    if knob == "compile":
+        return COMPILE_S
+    if knob in PROCESS_KNOBS and ctx.measured is not None:
+        return ctx.clock.trial_s * (ctx.measured.images_per_step / ctx.base.images_per_step - 1)
+    return 0.0
+
+
+def out_of_time_note(ctx: TrialContext, knob: str) -> str:
+    """Why `knob` was not measured when its trial does not fit the clock."""
+    if knob in PROCESS_KNOBS and ctx.measured is not None and ctx.measured is not ctx.base:
+        return NOT_AT_TRAINING_BATCH.format(measured=ctx.measured.cfg.train.batch_size,
+                                            trial=ctx.base.cfg.train.batch_size)
+    return OUT_OF_TIME
+
+
+def process_trial(ctx: TrialContext, knob: str, change: dict[str, Any]) -> Trial:
+    """A process-wide knob (the allocator): the setup the profile measured, at its batch, stepped
+    under the current setting and the candidate in turns.
+
+    At the measured batch, not the trials' halved one: the allocator's gain depends on the size of
+    a step's blocks (glibc maps those over its threshold afresh each step), and ResNet-50 at 128 px
+    read 0.95x at batch 16 where batch 64 trains 1.17x faster with `keep` (`bench/malloc.py`).
+    """
+    measured = ctx.measured or ctx.base
+    return paired_trial(knob, change, measured, measured.under(**change), ctx.cfg.profile.trial_rounds,
+                        ctx.clock.block if measured is ctx.base else block_steps_at(ctx, measured),
+                        ctx.cfg.profile.min_gain)
+
+
+def block_steps_at(ctx: TrialContext, setup: Setup) -> int:
+    """The clock's block, scaled to `setup`'s batch (a larger batch: as many steps or fewer, never
+    under `profile.trial_steps`)."""
+    scaled = ctx.clock.block * ctx.base.images_per_step // setup.images_per_step
+    return max(ctx.cfg.profile.trial_steps, scaled)
 
 
 LARGER_DO_NOT_FIT = "not measured: the profile measured at a smaller batch, a larger one does not fit its time box"
@@ -247,10 +296,18 @@ def batch_trials(ctx: TrialContext, max_doublings: int = 2) -> list[Trial]:
     return results
 
 
-BATCH_SENSITIVE = ("channels_last",)
+BATCH_SENSITIVE = ("channels_last", "malloc")
 """Knobs re-measured at each smaller batch: oneDNN's NHWC convolutions win at batch 256 and lose
 at 64 in fp32 on a one-core CPU (0.94x and 1.09x for NCHW, measured), so a layout tuned at the
-profiled batch can be the wrong one for a short run's batch."""
+profiled batch can be the wrong one for a short run's batch; the allocator's gain shrinks with a
+step's blocks (`process_trial`)."""
+
+
+def _other(knob: str, value: Any) -> Any:
+    """The setting a batch-sensitive knob is re-measured at: the other one of its two."""
+    if knob == "malloc":
+        return "system" if value == "keep" else "keep"
+    return not value
 
 
 def smaller_batch_trials(ctx: TrialContext, batches: Sequence[int], tuned: dict[str, Any], tuned_gain: float,
@@ -267,7 +324,8 @@ def smaller_batch_trials(ctx: TrialContext, batches: Sequence[int], tuned: dict[
     """
     p, out = ctx.cfg.profile, []
     recipe = ctx.cfg.with_train(**tuned)
-    retune = [k for k in BATCH_SENSITIVE if k in auto_knobs(ctx.requested)]
+    offered = {k for k, _ in candidates(ctx.cfg, ctx.requested, ctx.info.device, [], ctx.encoding)}
+    retune = [k for k in BATCH_SENSITIVE if k in auto_knobs(ctx.requested) and k in offered]
     for batch in batches:
         entry: dict[str, Any] = {"knob": "smaller_batch", "change": {"batch_size": batch}, "at_batch": {},
                                  "knob_trials": [], "predicted": False}
@@ -288,8 +346,9 @@ def smaller_batch_trials(ctx: TrialContext, batches: Sequence[int], tuned: dict[
             trial.note = (trial.note + "; " if trial.note else "") + f"{rounds} of {p.trial_rounds} rounds: the time box"
         entry, gain = {**trial.to_dict(), **entry}, 1.0
         for knob in [] if ctx.clock.out_of_time() else retune:  # (the speed itself always: the plan needs it)
-            flip = {knob: not getattr(recipe.train, knob), "batch_size": batch}
-            other = build_setup(recipe.with_train(**flip), ctx.info, ctx.split)
+            flip = {knob: _other(knob, getattr(recipe.train, knob)), "batch_size": batch}
+            other = (at_batch.under(**{knob: flip[knob]}) if knob in PROCESS_KNOBS
+                     else build_setup(recipe.with_train(**flip), ctx.info, ctx.split))
             knob_trial = ctx.paired(knob, flip, other, current=at_batch)
             entry["knob_trials"].append(knob_trial.to_dict())
             if knob_trial.win:
