@@ -245,13 +245,24 @@ def test_every_stage_is_set_beside_its_prediction_with_the_training_share():
 
 def test_the_speed_claim_says_what_share_of_the_machines_limit_each_recipe_reached():
     """Beside the ratio, each recipe's step against the bf16 matmul rate its profile measured (and, for
-    a recipe that trains in fp32, against that rate too); none without both profiles' rooflines."""
-    def profile(math: str, share: float, gflops: float) -> dict:
-        return {"roofline": {"math": math, "math_share": share * 2, "bf16_share": share, "achieved_gflops": gflops,
-                             "peaks": {"bf16_gflops": 400.0, "fp32_gflops": 200.0}}}
+    a recipe that trains in fp32, against that rate too); none without both profiles' rooflines. Where
+    the profile measured fp32 faster than bf16 (a CPU without AMX), the limit is the fp32 rate."""
+    def profile(math: str, share: float, gflops: float, fp32: float = 200.0) -> dict:
+        return {"roofline": {"math": math, "math_share": gflops / (fp32 if math == "fp32" else 400.0),
+                             "bf16_share": share, "achieved_gflops": gflops,
+                             "peaks": {"bf16_gflops": 400.0, "fp32_gflops": fp32}}}
 
-    roof = {"baseline": roofline_of(profile("fp32", 0.23, 92.0)), "optimized": roofline_of(profile("bf16", 0.43, 172.0))}
+    roof = {"baseline": roofline_of(profile("fp32", 0.23, 92.0)),
+            "optimized": roofline_of(profile("bf16", 0.43, 172.0))}
     said = limit_sentence({"roofline": roof})
     assert "baseline 23% (92 GFLOP/s, 46% of its fp32 rate)" in said and "optimized 43% (172 GFLOP/s)" in said
-    assert "(400 GFLOP/s)" in said
+    assert "of the bf16 matmul rate the profile measured (400 GFLOP/s)" in said
     assert limit_sentence({"roofline": {"baseline": roof["baseline"]}}) is None and roofline_of({}) is None
+    slow_bf16 = {"baseline": roofline_of(profile("fp32", 0.23, 92.0, fp32=500.0)),
+                 "optimized": roofline_of(profile("bf16", 0.43, 172.0, fp32=500.0))}
+    assert slow_bf16["optimized"]["limit"] == "fp32" and slow_bf16["optimized"]["limit_share"] == pytest.approx(0.344)
+    said = limit_sentence({"roofline": slow_bf16})
+    assert "baseline 18% (92 GFLOP/s)" in said and "optimized 34% (172 GFLOP/s, 43% of its bf16 rate)" in said
+    assert "of the fp32 matmul rate the profile measured, this CPU's faster one (500 GFLOP/s; bf16 400)" in said
+
+

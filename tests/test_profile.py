@@ -224,6 +224,14 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
     assert "of the CPU time in the kernel" in report
     quiet = to_markdown({"optimized": {**result, "recommendations": []}}, "breakdown.png")
     assert "No rule fired: forward + backward + optimizer are" in quiet
+    # A CPU whose fp32 matmul outruns its bf16 one (no AMX): the report sets the step against fp32's rate.
+    roof = result["roofline"]
+    fast_fp32 = {**roof, "achieved_gflops": 95.0,
+                 "peaks": {**roof["peaks"], "bf16_gflops": 181.0, "fp32_gflops": 290.0}}
+    said = to_markdown({"optimized": {**result, "roofline": fast_fp32}}, "breakdown.png")
+    assert "fp32 matmuls ran faster than bf16 ones (290 against 181 GFLOP/s)" in said and "are 33% of it." in said
+    fast_bf16 = {**roof, "peaks": {**roof["peaks"], "bf16_gflops": 400.0, "fp32_gflops": 150.0}}
+    assert "ran faster than bf16" not in to_markdown({"optimized": {**result, "roofline": fast_bf16}}, "breakdown.png")
 
 
 def test_tuned_values_come_from_winning_trials_only(tmp_path):
