@@ -1,5 +1,6 @@
 """The profile's time box holds at any step time: every part sized by a measured step, nothing by counts."""
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -7,6 +8,7 @@ import pytest
 
 import cnnpipe.profile.measure as measure
 import cnnpipe.profile.run as run
+from cnnpipe.malloc import KernelTime
 from cnnpipe.params import load_params, resolve
 from cnnpipe.profile.box import (
     BASE_SHARE,
@@ -213,7 +215,7 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
 
     def timed(s, warmup, steps):
         now[0] += (warmup + steps) * 0.012 * s.images_per_step
-        return [0.012 * s.images_per_step] * steps, {"forward": 1.0}, 1.0
+        return [0.012 * s.images_per_step] * steps, {"forward": 1.0}, 1.0, KernelTime(0, 0.0, 1.0)
 
     def first_step(s):
         now[0] += 0.012 * s.images_per_step
@@ -221,6 +223,7 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
 
     def trials(ctx, recommended, grow_batch):
         seen["trials"] = (ctx.cfg.train.batch_size, ctx.base.cfg.train.batch_size, grow_batch)
+        seen["measured"] = (ctx.measured.cfg.train.batch_size, ctx.measured_step_s)
         return [Trial("channels_last", {"channels_last": False}, 1.0)]
 
     def smaller(ctx, batches, tuned, gain, rounds_for):
@@ -246,6 +249,7 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
                              box=TimeBox(60.0, now=lambda: now[0]))
     assert result["batch_size"] == 128 and result["trial_batch"] == 64
     assert seen["trials"] == (64, 64, False)  # a smaller measured batch is not grown
+    assert seen["measured"] == (128, pytest.approx(0.012 * 128))  # where the allocator is tried
     assert seen["smaller"][:3] == (128, 128, [128, 64])
     assert result["trial_window_s"] == seen["smaller"][3].window_s  # one clock for both
 
@@ -258,3 +262,6 @@ def test_a_trial_context_at_another_base_keeps_everything_else():
     assert (at.cfg, at.base, at.requested, at.info, at.split, at.clock) == (
         "cfg@128", base, "asked", "info", "train", clock)
     assert ctx.cfg == "cfg@64" and ctx.base is None  # a new context: the trials' own is unchanged
+    measured = SimpleNamespace(cfg="cfg@256")
+    smaller = dataclasses.replace(ctx, base=measured).at(base)
+    assert smaller.measured is measured and smaller.at(measured).measured is measured  # (down and back up)

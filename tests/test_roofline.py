@@ -142,5 +142,12 @@ def test_the_step_share_and_its_rendering():
     assert kernels["achieved_gflops"] == r["achieved_gflops"]  # the step's rate stays the step's
     fp32 = summarize(PEAKS, "off", 1.0, {"aten::mm": 20e9}, {}, {}, "counted")
     assert fp32["math_share"] == pytest.approx(0.1) and "10% of its fp32 rate" in headline(fp32)
+    assert r["limit"] == "bf16" and r["limit_share"] == r["bf16_share"]
+    # a CPU whose fp32 matmul outruns its bf16 one (AVX512-BF16 without AMX): the limit is fp32's rate
+    slow_bf16 = Peaks(**{**PEAKS.to_dict(), "bf16_gflops": 181.0, "fp32_gflops": 290.0})
+    no_amx = summarize(slow_bf16, "bf16", 1.0, {"aten::convolution": 95e9}, {}, time_us, "counted")
+    assert no_amx["limit"] == "fp32" and no_amx["limit_share"] == pytest.approx(95 / 290)
+    assert headline(no_amx).startswith("the step runs at 33% of this machine's fp32 rate, its faster matmul here "
+                                       "(95 GFLOP/s of 290; bf16 181)")
     idle = summarize(PEAKS, "bf16", 0.0, {"aten::mm": 20e9}, {}, {}, "counted")
     assert idle["achieved_gflops"] is None and idle["ops"] == [] and "cannot be set against" in headline(idle)

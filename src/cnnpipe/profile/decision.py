@@ -6,7 +6,8 @@ from typing import Any
 
 from cnnpipe.config import VariantConfig
 from cnnpipe.profile.clock import OUT_OF_TIME
-from cnnpipe.profile.trials import Trial, TrialContext
+from cnnpipe.profile.measure import PROCESS_KNOBS
+from cnnpipe.profile.trials import Trial, TrialContext, at_smaller_batch, fits, process_trial
 from cnnpipe.train.tuning import auto_knobs, decode_for_loader
 
 
@@ -40,6 +41,13 @@ def confirm_winners(ctx: TrialContext, results: list[Trial], tuned: dict[str, An
 
 
 def _second_trial(ctx: TrialContext, name: str, changed: dict[str, Any]) -> Trial:
+    """`changed` measured against the current setting. A process knob alone is measured again where
+    its trial ran (`process_trial`: the measured batch, in place); in a mix measured at a smaller
+    trial batch it is left out of the mix's setup, its gain being the measured batch's."""
+    if set(changed) <= set(PROCESS_KNOBS):
+        return process_trial(ctx, name, changed)
+    if at_smaller_batch(ctx):
+        changed = {k: v for k, v in changed.items() if k not in PROCESS_KNOBS}
     with ctx.clock.timing():
         return ctx.paired(name, changed, ctx.build(**changed))
 
@@ -51,7 +59,7 @@ def confirm_single(ctx: TrialContext, tuned: dict[str, Any], changed: dict[str, 
     loader beat the batched one 1.08x in every round once, then trained with 6% data wait). Past the
     time box the one measured win stands, with nothing more timed.
     """
-    if ctx.clock.out_of_time():
+    if not fits(ctx, next(iter(changed))):
         return tuned, None
     trial = _second_trial(ctx, "confirm", changed)
     if trial.win:

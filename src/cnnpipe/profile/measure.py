@@ -140,7 +140,8 @@ class Setup:
     def under(self, **process: Any) -> Setup:
         """This very setup (model, optimizer, loader and its place in the epoch) stepped under other
         process-wide settings (`PROCESS_KNOBS`): a trial's candidate with no second model in memory
-        and nothing to build, at whatever batch this one runs."""
+        and nothing to build, at whatever batch this one runs. Each view counts its own steps (the
+        LR schedule's index): a trial's few steps move neither far from the other."""
         if not set(process) <= set(PROCESS_KNOBS):
             raise ValueError(f"only {PROCESS_KNOBS} change a setup in place, not {sorted(set(process))}")
         view = replace(self, cfg=self.cfg.with_train(**process))

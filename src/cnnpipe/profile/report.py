@@ -52,19 +52,6 @@ def bar_chart(profiles: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _faster_fp32(roofline: dict[str, Any]) -> list[str]:
-    """Where the profile measured fp32 matmuls faster than bf16 ones (a CPU whose bf16 units are no
-    faster than its fp32 FMAs, with no AMX), the step against the fp32 rate, this machine's limit;
-    else nothing."""
-    peaks, achieved = roofline.get("peaks") or {}, roofline.get("achieved_gflops")
-    bf16, fp32 = peaks.get("bf16_gflops"), peaks.get("fp32_gflops")
-    if not (achieved and bf16 and fp32 and fp32 > bf16):
-        return []
-    return [f"On this CPU fp32 matmuls ran faster than bf16 ones ({fp32:,.0f} against {bf16:,.0f} GFLOP/s), so "
-            f"this machine's limit is its fp32 rate: the step's {achieved:,.0f} GFLOP/s are {achieved / fp32:.0%} "
-            "of it.", ""]
-
-
 def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
     """The report: breakdown table, bottleneck, recommendations with evidence, trials, how to open traces."""
     lines = ["# Profile report", "", f"![time per 1,000 training images, by region]({chart_name})", "",
@@ -85,7 +72,7 @@ def to_markdown(profiles: dict[str, dict[str, Any]], chart_name: str) -> str:
                   f"CPU utilisation {p['cpu_util']:.0%}, peak memory {p['peak_mem_mb']:.0f} MB, "
                   f"{_syncs(p)}{_faults(p)}{_gpu_facts(p)}.{_stage_time(p)}", ""]
         if p.get("roofline"):  # (profiles from before it was measured have none)
-            lines += roofline_markdown(p["roofline"]) + [""] + _faster_fp32(p["roofline"])
+            lines += roofline_markdown(p["roofline"]) + [""]
         if not p["recommendations"]:
             compute = sum(p["fractions"].get(k, 0.0) for k in ("forward", "backward", "optimizer"))
             lines.append(f"No rule fired: forward + backward + optimizer are {compute:.1%} of the step, with "

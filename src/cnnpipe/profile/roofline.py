@@ -6,7 +6,8 @@ op's time from the trace. This module turns those numbers into the report's figu
 (no torch), so the report stage can render them from the JSON alone:
 
 - the whole step: achieved GFLOP/s (FLOPs per step over the un-profiled median step time) as a share
-  of the bf16 peak, and of the peak of the dtype the recipe computes in;
+  of the bf16 peak, of the peak of the dtype the recipe computes in, and of the machine's limit (the
+  faster of the two: `limit`);
 - the ops that spend the step's time: each op's share of the traced steps' time, charged to the op
   the counter saw (`attribute_self_time`), and from it the op's GFLOP/s (matrix ops) or GB/s (every
   counted op) against the peaks. An op's seconds are its share times the *un-profiled* step time:
@@ -55,6 +56,16 @@ class Peaks:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def limit(peaks: dict[str, Any]) -> tuple[str, float | None]:
+    """This machine's limit from a profile's measured `peaks` (its JSON): the faster matmul, bf16's
+    unless fp32 ran faster (a CPU with AVX512-BF16 but no AMX ran bf16 at 181 GFLOP/s against fp32's
+    290); (`bf16`, None) where the peaks are missing."""
+    bf16, fp32 = peaks.get("bf16_gflops"), peaks.get("fp32_gflops")
+    if bf16 and fp32 and fp32 > bf16:
+        return "fp32", fp32
+    return "bf16", bf16
 
 
 @dataclass(frozen=True)
@@ -146,10 +157,12 @@ def summarize(peaks: Peaks, amp: str, step_s: float, flops: dict[str, float], by
     achieved = rate(step_flop, step_s * 1e9)
     achieved_gbs = rate(step_bytes, step_s * 1e9)
     peak = peaks.gflops(amp)
+    limit_math, limit_gflops = limit(peaks.to_dict())
     return {"peaks": peaks.to_dict(), "math": "fp32" if amp == "off" else "bf16",
             "step_gflop": step_flop / 1e9, "step_gb": step_bytes / 1e9,
             "achieved_gflops": achieved, "bf16_share": share(achieved, peaks.bf16_gflops),
-            "math_share": share(achieved, peak), "achieved_gbs": achieved_gbs,
+            "math_share": share(achieved, peak), "limit": limit_math, "limit_share": share(achieved, limit_gflops),
+            "achieved_gbs": achieved_gbs,
             "bandwidth_share": share(achieved_gbs, peaks.copy_gbs),
             "ops": op_table(time_us, flops, bytes_, step_s if op_step_s is None else op_step_s, peak, peaks.copy_gbs),
             "basis": basis}
@@ -168,14 +181,20 @@ def _num(value: float | None) -> str:
 
 
 def headline(r: dict[str, Any]) -> str:
-    """One sentence: how far the step is from the bf16 rate, and which ops spend the rest."""
+    """One sentence: how far the step is from this machine's limit (the bf16 rate, or the fp32 one
+    where that ran faster), and which ops spend the rest."""
     peaks = r["peaks"]
     if r["achieved_gflops"] is None:
         return "the step cannot be set against the peaks: no FLOPs were counted, or no step time measured"
-    text = (f"the step runs at {_pct(r['bf16_share'])} of this machine's bf16 rate "
-            f"({_num(r['achieved_gflops'])} GFLOP/s of {_num(peaks['bf16_gflops'])})")
-    if r["math"] == "fp32":
-        text += f", {_pct(r['math_share'])} of its fp32 rate ({_num(peaks['fp32_gflops'])}), the math it trains in"
+    if limit(peaks)[0] == "fp32":
+        text = (f"the step runs at {_pct(r['achieved_gflops'] / peaks['fp32_gflops'])} of this machine's fp32 rate, "
+                f"its faster matmul here ({_num(r['achieved_gflops'])} GFLOP/s of {_num(peaks['fp32_gflops'])}; "
+                f"bf16 {_num(peaks['bf16_gflops'])})")
+    else:
+        text = (f"the step runs at {_pct(r['bf16_share'])} of this machine's bf16 rate "
+                f"({_num(r['achieved_gflops'])} GFLOP/s of {_num(peaks['bf16_gflops'])})")
+        if r["math"] == "fp32":
+            text += f", {_pct(r['math_share'])} of its fp32 rate ({_num(peaks['fp32_gflops'])}), the math it trains in"
     ops = [row for row in r["ops"] if not row["op"].endswith("other ops]")][:3]
     if ops:
         text += "; these ops spend the time: " + ", ".join(

@@ -20,7 +20,6 @@ from cnnpipe.config import VariantConfig
 from cnnpipe.data.store.shards import open_split
 from cnnpipe.files import write_json, write_text
 from cnnpipe.monitor import peak_mem_mb, reset_peak_memory
-from cnnpipe.uptime import process_seconds
 from cnnpipe.profile.box import PROBE_IMAGES, ROOFLINE_SHARE, TAIL_SHARE, BoxPlan, TimeBox
 from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose
@@ -40,18 +39,13 @@ from cnnpipe.profile.measure import (
 )
 from cnnpipe.profile.peaks import count_step, measure_peaks
 from cnnpipe.profile.roofline import attribute_self_time, headline, markdown, summarize
-from cnnpipe.profile.trials import (
-    Trial,
-    TrialContext,
-    recommended_together,
-    run_trials,
-    smaller_batch_trials,
-    smaller_batches,
-)
+from cnnpipe.profile.smaller import smaller_batch_trials, smaller_batches
+from cnnpipe.profile.trials import Trial, TrialContext, recommended_together, run_trials
 from cnnpipe.train.budget import EVAL_BATCH, fit_batch_to_split
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.precision import math_mode
 from cnnpipe.train.tuning import auto_knobs, resolve_auto
+from cnnpipe.uptime import process_seconds
 
 
 def _with_measurement(rec: Recommendation, results: list[Trial]) -> dict[str, Any]:
@@ -120,7 +114,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     training_s = t.epoch_count * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
     batches = smaller_batches(cfg) if with_trials else []
     trials = plan.trials(step_s, per_image_s, batches, training_s, inference.batch)
-    ctx = TrialContext(measured, requested, info, train, base, trials.clock)
+    ctx = TrialContext(measured, requested, info, train, base, trials.clock, measured_step_s=step_s)
     if with_trials and trials.batch != batch:  # not one full trial fits at the measured batch: a smaller one
         ctx = ctx.at(build_setup(measured.with_train(batch_size=trials.batch), info, train))
     facts = Facts(fractions=fractions(totals), device=info.device.type, amp=base.ctx.amp,

@@ -15,13 +15,11 @@ from cnnpipe import malloc
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.store.shards import PreparedSplit
 from cnnpipe.hardware import cpu_has_fast_bf16
-from cnnpipe.profile.box import PREDICTED
 from cnnpipe.profile.clock import COMPILE_S, OUT_OF_TIME, TrialClock
 from cnnpipe.profile.diagnosis import MEMORY_FRAC
 from cnnpipe.profile.measure import PROCESS_KNOBS, Setup, build_setup, memory_frac, train_step
 from cnnpipe.train.distributed import DistInfo
 from cnnpipe.train.engine import Spans, sync_device
-from cnnpipe.train.schedule import halved_batches
 from cnnpipe.train.tuning import auto_knobs
 
 
@@ -61,6 +59,8 @@ class TrialContext:
     measured: Setup | None = None
     """The setup at the batch the profile measured, where `base` is one at a smaller trial batch
     (None: `base` is it). The process knobs are tried there (`process_trial`)."""
+    measured_step_s: float = 0.0
+    """Its median step (seconds; 0: unknown): what sizes a process knob's trial against the clock."""
 
     @property
     def encoding(self) -> str:
@@ -176,17 +176,12 @@ def ruled_out(change: dict[str, Any], device: torch.device) -> str:
     return ""
 
 
-def smaller_batches(cfg: VariantConfig) -> list[int]:
-    """The batches `train.min_steps` may halve the recipe's batch to (none without `min_steps`)."""
-    return [] if cfg.train.min_steps is None else halved_batches(cfg.train.batch_size)
-
-
 def run_trials(ctx: TrialContext, recommended: Sequence[str], grow_batch: bool = True) -> list[Trial]:
     """Measure each candidate against the base, then grow the batch while it pays (`grow_batch`); a
     candidate whose turn comes when the clock has no room for another trial is noted, not timed."""
     p, clock, results = ctx.cfg.profile, ctx.clock, []
     for knob, change in candidates(ctx.cfg, ctx.requested, ctx.info.device, recommended, ctx.encoding):
-        if clock.out_of_time(extra_s(ctx, knob)):
+        if not fits(ctx, knob):
             reason = out_of_time_note(ctx, knob)
         else:  # `profile.trial_ruled_out` times what the hardware rules out too
             reason = "" if p.trial_ruled_out else ruled_out(change, ctx.info.device)
@@ -215,41 +210,56 @@ NOT_AT_TRAINING_BATCH = ("not measured: its gain depends on the size of a step's
 
 
 def extra_s(ctx: TrialContext, knob: str) -> float:
-    """Seconds `knob`'s trial takes beyond the clock's usual one: the compile; for a process knob,
-    its trial at the measured batch (the others' length scaled by the batch; nothing is built)."""
+    """Seconds `knob`'s trial takes beyond the clock's usual one: the compile; for a process knob, its
+    blocks at the measured batch less the usual trial (nothing is built; 0 where the step is unknown)."""
     if knob == "compile":
         return COMPILE_S
-    if knob in PROCESS_KNOBS and ctx.measured is not None:
-        return ctx.clock.trial_s * (ctx.measured.images_per_step / ctx.base.images_per_step - 1)
+    if knob in PROCESS_KNOBS and ctx.measured_step_s:
+        rounds = ctx.cfg.profile.trial_rounds
+        return 2 * rounds * (process_block(ctx) + 1) * ctx.measured_step_s - ctx.clock.trial_s
     return 0.0
+
+
+def fits(ctx: TrialContext, knob: str) -> bool:
+    """Whether `knob`'s trial still fits the clock."""
+    return not ctx.clock.out_of_time(extra_s(ctx, knob))
 
 
 def out_of_time_note(ctx: TrialContext, knob: str) -> str:
     """Why `knob` was not measured when its trial does not fit the clock."""
-    if knob in PROCESS_KNOBS and ctx.measured is not None and ctx.measured is not ctx.base:
+    if knob in PROCESS_KNOBS and at_smaller_batch(ctx):
         return NOT_AT_TRAINING_BATCH.format(measured=ctx.measured.cfg.train.batch_size,
                                             trial=ctx.base.cfg.train.batch_size)
     return OUT_OF_TIME
 
 
-def process_trial(ctx: TrialContext, knob: str, change: dict[str, Any]) -> Trial:
+def at_smaller_batch(ctx: TrialContext) -> bool:
+    """Whether the trials run at a smaller batch than the profile measured (`trial_batch`)."""
+    return ctx.measured is not None and ctx.measured is not ctx.base
+
+
+def process_trial(ctx: TrialContext, name: str, change: dict[str, Any]) -> Trial:
     """A process-wide knob (the allocator): the setup the profile measured, at its batch, stepped
-    under the current setting and the candidate in turns.
+    under the current setting and the candidate in turns (`name`: the knob, or "confirm").
 
     At the measured batch, not the trials' halved one: the allocator's gain depends on the size of
     a step's blocks (glibc maps those over its threshold afresh each step), and ResNet-50 at 128 px
     read 0.95x at batch 16 where batch 64 trains 1.17x faster with `keep` (`bench/malloc.py`).
     """
     measured = ctx.measured or ctx.base
-    return paired_trial(knob, change, measured, measured.under(**change), ctx.cfg.profile.trial_rounds,
-                        ctx.clock.block if measured is ctx.base else block_steps_at(ctx, measured),
-                        ctx.cfg.profile.min_gain)
+    trial = paired_trial(name, change, measured, measured.under(**change), ctx.cfg.profile.trial_rounds,
+                         process_block(ctx), ctx.cfg.profile.min_gain)
+    if at_smaller_batch(ctx):
+        trial.note = (trial.note + "; " if trial.note else "") + f"at batch {measured.cfg.train.batch_size}"
+    return trial
 
 
-def block_steps_at(ctx: TrialContext, setup: Setup) -> int:
-    """The clock's block, scaled to `setup`'s batch (a larger batch: as many steps or fewer, never
-    under `profile.trial_steps`)."""
-    scaled = ctx.clock.block * ctx.base.images_per_step // setup.images_per_step
+def process_block(ctx: TrialContext) -> int:
+    """Timed steps per block of a process knob's trial: the clock's block, scaled down to the measured
+    batch where that is larger (about as many images a block), never under `profile.trial_steps`."""
+    if not at_smaller_batch(ctx):
+        return ctx.clock.block
+    scaled = ctx.clock.block * ctx.base.images_per_step // ctx.measured.images_per_step
     return max(ctx.cfg.profile.trial_steps, scaled)
 
 
@@ -294,70 +304,6 @@ def batch_trials(ctx: TrialContext, max_doublings: int = 2) -> list[Trial]:
             break
         previous = trial
     return results
-
-
-BATCH_SENSITIVE = ("channels_last", "malloc")
-"""Knobs re-measured at each smaller batch: oneDNN's NHWC convolutions win at batch 256 and lose
-at 64 in fp32 on a one-core CPU (0.94x and 1.09x for NCHW, measured), so a layout tuned at the
-profiled batch can be the wrong one for a short run's batch; the allocator's gain shrinks with a
-step's blocks (`process_trial`)."""
-
-
-def _other(knob: str, value: Any) -> Any:
-    """The setting a batch-sensitive knob is re-measured at: the other one of its two."""
-    if knob == "malloc":
-        return "system" if value == "keep" else "keep"
-    return not value
-
-
-def smaller_batch_trials(ctx: TrialContext, batches: Sequence[int], tuned: dict[str, Any], tuned_gain: float,
-                         rounds_for: dict[int, int] | None = None) -> list[dict[str, Any]]:
-    """Speed of each batch in `batches` (those `train.min_steps` may halve the recipe's batch to)
-    against the measured one, and the batch-sensitive `auto` knobs re-tuned there.
-
-    The batch itself is never tuned for speed (it changes the optimisation); the plan multiplies
-    the recipe's speed by `speed_vs_tuned`, and training takes `at_batch` values at that batch.
-    `rounds_for` says how many rounds each batch gets (`box.smaller_rounds`; None: `profile.trial_rounds`);
-    where it gives none, the speed is predicted (`box.PREDICTED`) and marked `predicted`. The
-    measured batch itself is the base (its entry has no speeds of its own: the plan reads the base's). The re-tuning runs only while the
-    clock has room.
-    """
-    p, out = ctx.cfg.profile, []
-    recipe = ctx.cfg.with_train(**tuned)
-    offered = {k for k, _ in candidates(ctx.cfg, ctx.requested, ctx.info.device, [], ctx.encoding)}
-    retune = [k for k in BATCH_SENSITIVE if k in auto_knobs(ctx.requested) and k in offered]
-    for batch in batches:
-        entry: dict[str, Any] = {"knob": "smaller_batch", "change": {"batch_size": batch}, "at_batch": {},
-                                 "knob_trials": [], "predicted": False}
-        if batch == ctx.cfg.train.batch_size:  # the profile measured at this very batch
-            out.append({**Trial("smaller_batch", {"batch_size": batch}, 1.0, (1.0, 1.0),
-                                note="the batch the profile measured at").to_dict(), **entry,
-                        "speed_vs_tuned": 1.0})
-            continue
-        rounds = p.trial_rounds if rounds_for is None else rounds_for.get(batch, p.trial_rounds)
-        if rounds == 0:
-            out.append({**Trial("smaller_batch", {"batch_size": batch}, 1.0, (1.0, 1.0), note=PREDICTED).to_dict(),
-                        **entry, "predicted": True, "speed_vs_tuned": 1.0})
-            continue
-        at_batch = build_setup(recipe.with_train(batch_size=batch), ctx.info, ctx.split)
-        trial = ctx.paired("smaller_batch", {"batch_size": batch}, at_batch, rounds=rounds)
-        trial.win = False  # measured for the plan, never tuned: the batch changes the optimisation
-        if rounds < p.trial_rounds:
-            trial.note = (trial.note + "; " if trial.note else "") + f"{rounds} of {p.trial_rounds} rounds: the time box"
-        entry, gain = {**trial.to_dict(), **entry}, 1.0
-        for knob in [] if ctx.clock.out_of_time() else retune:  # (the speed itself always: the plan needs it)
-            flip = {knob: _other(knob, getattr(recipe.train, knob)), "batch_size": batch}
-            other = (at_batch.under(**{knob: flip[knob]}) if knob in PROCESS_KNOBS
-                     else build_setup(recipe.with_train(**flip), ctx.info, ctx.split))
-            knob_trial = ctx.paired(knob, flip, other, current=at_batch)
-            entry["knob_trials"].append(knob_trial.to_dict())
-            if knob_trial.win:
-                entry["at_batch"][knob], gain = flip[knob], gain * knob_trial.speedup
-            del other
-        entry["speed_vs_tuned"] = trial.speedup * gain / tuned_gain
-        out.append(entry)
-        del at_batch
-    return out
 
 
 def compile_trial(ctx: TrialContext, change: dict[str, Any] | None = None) -> Trial:
