@@ -227,7 +227,7 @@ def test_profile_variant_writes_a_trace_and_a_complete_breakdown(tmp_path, prepa
     assert "No rule fired: forward + backward + optimizer are" in quiet
     # A CPU whose fp32 matmul outruns its bf16 one (no AMX): the report sets the step against fp32's rate.
     roof = result["roofline"]
-    fast_fp32 = {**roof, "achieved_gflops": 95.0,
+    fast_fp32 = {**roof, "achieved_gflops": 95.0, "limit": "fp32", "limit_share": 95.0 / 290.0,  # (as summarize says)
                  "peaks": {**roof["peaks"], "bf16_gflops": 181.0, "fp32_gflops": 290.0}}
     said = to_markdown({"optimized": {**result, "roofline": fast_fp32}}, "breakdown.png")
     assert ("the step runs at 33% of this machine's fp32 rate, its faster matmul here (95 GFLOP/s of 290; "
@@ -547,12 +547,25 @@ def test_trials_follow_the_diagnosis(tmp_path):
     assert knobs({"num_workers"}) >= {"num_workers"}
 
 
-def test_the_allocator_is_measured_when_auto_or_asked_for_and_last_unless_asked(tmp_path):
+def test_the_allocator_is_measured_when_auto_or_asked_for_and_after_every_other_trial(monkeypatch, tmp_path):
+    """Once its blocks set `keep`, glibc's own thresholds are gone for the process: it is timed after
+    the other knobs and the batch's growth, even as the diagnosis's first pick."""
+    import cnnpipe.profile.trials as trials_mod
+
     requested = config(tmp_path)  # the optimized recipe: `malloc: auto`
     cfg = resolve_auto(requested, torch.device("cpu"))
-    assert candidates(cfg, requested, torch.device("cpu"), [])[-1] == ("malloc", {"malloc": "keep"})  # last...
+    assert candidates(cfg, requested, torch.device("cpu"), [])[-1] == ("malloc", {"malloc": "keep"})
     ordered = [k for k, _ in candidates(cfg, requested, torch.device("cpu"), ["malloc", "loader"])]
-    assert ordered[:2] == ["malloc", "loader"]  # ...unless the diagnosis asks for it
+    assert ordered[0] == "loader" and ordered[-1] == "malloc"  # the diagnosis's picks first, the allocator last
+    timed = []
+    monkeypatch.setattr(trials_mod.malloc, "available", lambda: True)
+    monkeypatch.setattr(trials_mod, "build_setup", lambda *a: object())
+    monkeypatch.setattr(trials_mod, "paired_trial", lambda knob, change, *a: timed.append(knob) or Trial(knob, change))
+    monkeypatch.setattr(trials_mod, "process_trial",
+                        lambda ctx, knob, change: timed.append(knob) or Trial(knob, change))
+    monkeypatch.setattr(trials_mod, "batch_trials", lambda ctx: timed.append("batch_size") or [])
+    results = trials_mod.run_trials(trial_ctx(cfg, requested=requested), ["malloc", "loader"])
+    assert timed[0] == "loader" and timed[-2:] == ["batch_size", "malloc"] and results[-1].knob == "malloc"
     baseline = config(tmp_path, "baseline")  # `malloc: system`, set by hand
     base_cfg = resolve_auto(baseline, torch.device("cpu"))
     assert "malloc" not in {k for k, _ in candidates(base_cfg, baseline, torch.device("cpu"), [])}
@@ -609,19 +622,20 @@ def test_the_allocator_is_tried_at_the_measured_batch_not_the_halved_trial_batch
     monkeypatch.setattr(prof, "build_setup", lambda *a: pytest.fail("a process knob's trial builds nothing"))
     cfg = config(tmp_path, batch_size=64)  # (the tests' profile: 2 rounds)
     measured, small = SizedSetup(cfg, 64), SizedSetup(cfg, 16)
-    # a 4 s step at batch 64; 8-step blocks at batch 16, 2 at 64: 2 rounds of 2 blocks of 1 + 2 steps, 48 s
+    # a 0.2 s step at batch 64: blocks of 2 steps there (the clock's 0.4 s), 8 at batch 16;
+    # 2 rounds of 2 blocks of 1 + 2 steps take 2.4 s, where the usual trial takes 30 s
     clock = TrialClock(window_s=80.0, block=8, trial_s=30.0, now=lambda: 0.0)
-    ctx = dataclasses.replace(trial_ctx(cfg, base=measured, clock=clock), measured_step_s=4.0).at(small)
-    assert ctx.measured is measured and ctx.base is small and prof.extra_s(ctx, "malloc") == pytest.approx(48 - 30)
-    trial = prof.run_trials(ctx, [], grow_batch=False)[0]
+    ctx = dataclasses.replace(trial_ctx(cfg, base=measured, clock=clock), measured_step_s=0.2).at(small)
+    assert ctx.measured is measured and ctx.base is small and prof.extra_s(ctx, "malloc") == pytest.approx(2.4 - 30)
+    trial = prof.run_trials(ctx, [], grow_batch=False)[-1]  # (after the batch's note)
     (knob, current, candidate, steps), = paired
     assert current is measured and candidate.of is measured and candidate.cfg.train.malloc == "keep"
     assert steps == 2 and trial.win and trial.note == "at batch 64"
     assert clock.trial_s == 30.0  # (not the next trials' length: nothing was built)
     tuned, confirm = decision.confirm_winners(ctx, [trial], {"malloc": "keep"})
     assert tuned == {"malloc": "keep"} and confirm.knob == "confirm" and paired[-1][1] is measured
-    clock.window_s = 40.0  # 48 s of blocks at batch 64: past the window
-    unmeasured = prof.run_trials(ctx, [], grow_batch=False)[0]
+    clock.window_s = 2.0  # 2.4 s of blocks at batch 64: past the window
+    unmeasured = prof.run_trials(ctx, [], grow_batch=False)[-1]
     assert unmeasured.note == prof.NOT_AT_TRAINING_BATCH.format(measured=64, trial=16) and not unmeasured.win
     assert len(paired) == 2
 
@@ -669,7 +683,7 @@ def test_a_spent_time_box_notes_the_remaining_trials_instead_of_timing_them(monk
     spent = TrialClock(0.0, trial_s=1.0)
     results = trials_mod.run_trials(trial_ctx(cfg, clock=spent), set())
     assert timed == [] and results and all(r.note == OUT_OF_TIME for r in results)
-    assert results[-1].knob == "batch_size" and not any(r.win for r in results)
+    assert [r.knob for r in results][-2:] == ["batch_size", "malloc"] and not any(r.win for r in results)
     wins = [Trial("amp", {"amp": "off"}, 1.2, win=True), Trial("loader", {"loader": "baseline"}, 1.1, win=True)]
     requested = config(tmp_path, amp="auto", loader="auto")
     current = resolve_auto(requested, torch.device("cpu"))

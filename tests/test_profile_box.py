@@ -19,6 +19,7 @@ from cnnpipe.profile.box import (
     TimeBox,
     full_trial_s,
     inference_plan,
+    inference_s,
     measure_batch,
     smaller_rounds,
     steps_within,
@@ -175,21 +176,24 @@ def test_the_plan_sizes_each_part_from_what_the_box_has_left_when_it_is_reached(
     assert plan.base_steps() == 2  # 9 s less the warm-up step's 2.56 s: two steps, not the counts' six
     now[0] += 3.0  # (a rebuild's 3 s come off the base's share: still the two it never goes under)
     assert plan.base_steps() == 2
-    # 8% of 60 s: three timed calls at 256 (and the three untimed and repeated) take 5.1 s; two fit
-    assert (plan.inference(0.01, 256).batch, plan.inference(0.01, 256).calls) == (256, 2)
-    now[0] = 60.0  # the base, the trace and the inference timing took 20 s: 40 s left
-    trials = plan.trials(step_s=2.56, per_image_s=0.01, batches=[128, 64], training_s=1000.0, inference_batch=256)
+    # 8% of 60 s (4.8 s): three timed calls at 256 and the untimed one take 3.4 s
+    inference = plan.inference(0.01, 256)
+    assert (inference.batch, inference.calls) == (256, 3) and inference_s(inference, 0.01) == pytest.approx(3.41, 0.01)
+    assert plan.inference(0.02, 256).calls == 1  # (twice as slow: 6.8 s, 5.1 s with two calls, 3.4 s with one)
+    now[0] = 60.0  # the base, the trace and the roofline took 20 s: 40 s left
+    trials = plan.trials(step_s=2.56, per_image_s=0.01, batches=[128, 64], training_s=1000.0, inference=inference)
     # The smaller batches' 15 s hold no round (11.5 s against 128 and 9.6 s against 64, after a 1 s
-    # build): predicted, nothing reserved. The window: 40 s less the last inference timing's 1.7 s
-    # and the 6 s margin. One full trial at 256 takes 47 s: the trials run at 128 (24 s).
+    # build): predicted, nothing reserved. The window: 40 s less the inference timing that follows
+    # the trials (3.4 s), the export's fp32 timing's share (4.8 s) and the 6 s margin. One full trial
+    # at 256 takes 47 s: the trials run at 128 (24 s).
     assert trials.rounds_for == {128: 0, 64: 0}
-    assert trials.clock.window_s == pytest.approx(40.0 - 2 * 256 * 0.01 / 3 - 6.0)
+    assert trials.clock.window_s == pytest.approx(40.0 - 4 * 256 * 0.01 / 3 - 4.8 - 6.0)
     assert trials.batch == 128 and trials.clock.trial_s == pytest.approx(1.0 + 3 * 3 * 2 * 1.28)
     assert trials.block == 2 and plan.needed_s(100.0) is None
     # Without a box: the recipe's batch and the `profile:` counts, no window.
     free = BoxPlan.after_probe(TimeBox(None), p, 256, 1, probe_s=0.01, setup_s=1.0)
     assert (free.batch, free.base_steps(), free.trace(2.56).total) == (256, 6, 7)
-    assert free.trials(2.56, 0.01, [128], 1000.0, 256).clock.window_s is None
+    assert free.trials(2.56, 0.01, [128], 1000.0, free.inference(0.01, 256)).clock.window_s is None
 
 
 def test_a_box_too_small_at_any_batch_says_the_box_it_would_need(tmp_path):
@@ -203,8 +207,8 @@ def test_a_box_too_small_at_any_batch_says_the_box_it_would_need(tmp_path):
 
 def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_path, monkeypatch):
     """profile_variant's wiring, every measurement faked on a fake clock (12 ms an image, a 60 s box):
-    the base is measured at 128, the trials at 64 against a base built there (`ctx.at`), and the
-    smaller batches against the measured base at 128."""
+    the base is measured at 128, the trials at 64 against a base built there (`ctx.at`), the
+    smaller batches against the measured base at 128, and the inference timed after them all."""
     cfg = config(tmp_path, batch_size=256, min_steps=100_000, channels_last="auto")
     now, seen = [0.0], {}
 
@@ -222,11 +226,13 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
         return 0.012 * s.images_per_step
 
     def trials(ctx, recommended, grow_batch):
+        seen.setdefault("order", []).append("trials")
         seen["trials"] = (ctx.cfg.train.batch_size, ctx.base.cfg.train.batch_size, grow_batch)
         seen["measured"] = (ctx.measured.cfg.train.batch_size, ctx.measured_step_s)
         return [Trial("channels_last", {"channels_last": False}, 1.0)]
 
     def smaller(ctx, batches, tuned, gain, rounds_for):
+        seen["order"].append("smaller")
         seen["smaller"] = (ctx.cfg.train.batch_size, ctx.base.cfg.train.batch_size, batches, ctx.clock)
         return []
 
@@ -237,8 +243,10 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
              "count_step": lambda s, per_image_s, share_s: StepCount({}, {}, "faked"),
              "measure_peaks": lambda device, share_s: Peaks(1.0, 1.0, 1.0, 256, 256, 1, 0.0),
              "write_roofline_summary": lambda trace_dir, roofline: None,
-             "inference_times": lambda s, batch, calls: [0.004 * batch] * calls,
-             "cpu_fp32_inference": lambda s, share: (100.0, 64), "process_seconds": lambda: 0.0,
+             "inference_times": lambda s, batch, calls: seen.setdefault("order", []).append("inference")
+             or [0.004 * batch] * calls,
+             "cpu_fp32_inference": lambda s, share: seen["order"].append("export") or (100.0, 64),
+             "process_seconds": lambda: 0.0,
              "run_trials": trials, "smaller_batch_trials": smaller,
              "confirm_winners": lambda ctx, results, tuned: (tuned, None), "recommended_together": lambda *a: None,
              "open_split": lambda prepared, split: range(600)}  # a training split of 600 images
@@ -252,6 +260,9 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
     assert seen["measured"] == (128, pytest.approx(0.012 * 128))  # where the allocator is tried
     assert seen["smaller"][:3] == (128, 128, [128, 64])
     assert result["trial_window_s"] == seen["smaller"][3].window_s  # one clock for both
+    # the inference timings (at `keep`, as evaluate and export run) after every trial: glibc's own
+    # thresholds stay for the trials' blocks
+    assert seen["order"] == ["trials", "smaller", "inference", "export"]
 
 
 def test_a_trial_context_at_another_base_keeps_everything_else():

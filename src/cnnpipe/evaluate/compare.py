@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from cnnpipe.evaluate.stats import ALPHA, mcnemar_exact, median_iqr, paired_counts, ratio_range
-from cnnpipe.profile.roofline import limit
 
 # (key in the output, label, source file, key in source, format)
 ROWS = (
@@ -191,35 +190,33 @@ def speed_sentence(result: dict[str, Any]) -> str:
 
 def roofline_of(profile: dict[str, Any]) -> dict[str, Any] | None:
     """What a profile's roofline says of its recipe's step (`cnnpipe.profile.roofline`): the math it
-    trains in, the share of that rate and of the bf16 rate it reached, at what GFLOP/s, and the
-    machine's measured matmul rates; None without one."""
+    trains in, the share of that rate, of the bf16 rate and of the machine's limit (its faster matmul:
+    `limit`) it reached, at what GFLOP/s, and the machine's measured matmul rates; None without one."""
     roof = profile.get("roofline")
     if not roof or roof.get("bf16_share") is None:
         return None
     peaks = roof.get("peaks") or {}
-    return {k: roof.get(k) for k in ("math", "math_share", "bf16_share", "achieved_gflops")} | {
+    keys = ("math", "math_share", "bf16_share", "limit", "limit_share", "achieved_gflops")
+    return {k: roof.get(k) for k in keys} | {
         "bf16_peak_gflops": peaks.get("bf16_gflops"), "fp32_peak_gflops": peaks.get("fp32_gflops")}
 
 
 def limit_sentence(result: dict[str, Any]) -> str | None:
     """Beside the speed ratio, how far each recipe's step is from this machine's limit, or None when a
     profile has none. The limit is the profiles' measured bf16 matmul rate, or the fp32 one where
-    both profiles measured that faster (`roofline.limit`): each step is then set against its own
-    profile's fp32 rate."""
+    both profiles measured that faster (each profile's `limit`): each step is then set against its
+    own profile's fp32 rate."""
     roof = result.get("roofline") or {}
     if not (roof.get("baseline") and roof.get("optimized")):
         return None
-    names = ("baseline", "optimized")
-    limits = {name: limit({"bf16_gflops": roof[name]["bf16_peak_gflops"],
-                           "fp32_gflops": roof[name]["fp32_peak_gflops"]}) for name in names}
-    fp32_limit = all(math == "fp32" for math, _ in limits.values())
+    fp32_limit = all(roof[name]["limit"] == "fp32" for name in ("baseline", "optimized"))
 
     def part(name: str) -> str:
         r = roof[name]
         math = {"off": "fp32", "fp16": "fp16"}.get(r["math"], r["math"])
         if fp32_limit:
             extra = "" if math == "fp32" else f", {r['bf16_share']:.0%} of its {math} rate"
-            return f"{name} {r['achieved_gflops'] / limits[name][1]:.0%} ({r['achieved_gflops']:.0f} GFLOP/s{extra})"
+            return f"{name} {r['limit_share']:.0%} ({r['achieved_gflops']:.0f} GFLOP/s{extra})"
         extra = "" if math == "bf16" else f", {r['math_share']:.0%} of its {math} rate"
         return f"{name} {r['bf16_share']:.0%} ({r['achieved_gflops']:.0f} GFLOP/s{extra})"
 

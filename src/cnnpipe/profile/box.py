@@ -15,12 +15,14 @@ size, batch or device:
   slower than that) and half for the machine's three peaks (`profile/peaks.py`);
 - the smaller batches `train.min_steps` may pick: `SMALLER_SHARE`, fewer rounds when slow, and
   predicted by the same proportional rule (and marked so) when not even one round fits;
-- the inference timing: `TAIL_SHARE`, at a smaller batch when slow, and the export's fp32 timing on
-  the CPU another `TAIL_SHARE`, sized by a call of its own (`measure.cpu_fp32_inference`);
-- the trials: what is left once the smaller batches' planned rounds and the last inference timing
-  are set aside, less `MARGIN` (`clock.trial_window`); at a halved batch (`trial_batch`) where not
+- the trials: what is left once the smaller batches' planned rounds and the inference timings are
+  set aside, less `MARGIN` (`clock.trial_window`); at a halved batch (`trial_batch`) where not
   one full trial fits at the measured one, so that slow steps still get their `auto` knobs measured,
-  the diagnosis's picks first.
+  the diagnosis's picks first;
+- the inference timing, last: `TAIL_SHARE`, at a smaller batch when slow, and the export's fp32
+  timing on the CPU another `TAIL_SHARE`, sized by a call of its own (`measure.cpu_fp32_inference`).
+  They run at the allocator evaluate and export run with (`keep`), which would take every later
+  trial off glibc's own thresholds (`cnnpipe.malloc`).
 
 `BoxPlan` holds that state for one profile: built once after the probe, it sizes each part as the
 stage reaches it (reading the box's clock where what is left depends on what came before).
@@ -150,22 +152,23 @@ class Inference:
 
 
 def inference_plan(per_image_s: float, share_s: float | None, batch: int = 256, calls: int = 3) -> Inference:
-    """`calls` timed forward passes of `batch` (plus one untimed) at the recipe's precision, and the
-    two repeated at the end; fewer calls, then a halved batch (down to 8), until they fit `share_s`.
+    """`calls` timed forward passes of `batch` (plus one untimed) at the recipe's precision; fewer
+    calls, then a halved batch (down to 8), until they fit `share_s`.
 
     `per_image_s` is the training step's cost per image; a forward pass is `FORWARD_SHARE` of it.
     """
     if share_s is None:
         return Inference(batch, calls)
-
-    def cost(b: int, c: int) -> float:
-        return (c + 1 + 2) * b * per_image_s * FORWARD_SHARE
-
-    while calls > 1 and cost(batch, calls) > share_s:
+    while calls > 1 and inference_s(Inference(batch, calls), per_image_s) > share_s:
         calls -= 1
-    while batch > 8 and cost(batch, calls) > share_s:
+    while batch > 8 and inference_s(Inference(batch, calls), per_image_s) > share_s:
         batch //= 2
     return Inference(batch, calls)
+
+
+def inference_s(plan: Inference, per_image_s: float) -> float:
+    """Seconds the inference timing takes: its timed calls and the untimed one."""
+    return (plan.calls + 1) * plan.batch * per_image_s * FORWARD_SHARE
 
 
 def full_trial_s(step_per_image_s: float, batch: int, setup_s: float, rounds: int, trial_steps: int) -> float:
@@ -281,9 +284,10 @@ class BoxPlan:
         return inference_plan(per_image_s, self.share(TAIL_SHARE), batch)
 
     def trials(self, step_s: float, per_image_s: float, batches: list[int], training_s: float,
-               inference_batch: int) -> TrialPlan:
+               inference: Inference) -> TrialPlan:
         """The trials' plan, made when they are next: the smaller batches' rounds are reserved first,
-        then the last inference timing and `MARGIN`, from what the box has left now; the window is at
+        then the inference timings that follow them (`inference` and the export's `TAIL_SHARE`) and
+        `MARGIN`, from what the box has left now; the window is at
         most a fifth of `training_s`. Where not one full trial fits at the measured batch, they run at
         a halved one (`trial_batch`), with the clock's block and trial length set for it."""
         p = self.profile
@@ -291,8 +295,8 @@ class BoxPlan:
         block = block_steps(step_s, p.trial_steps)
         rounds_for, smaller_s = smaller_rounds(batches, self.batch, self.share(SMALLER_SHARE), block,
                                                step_per_image_s, self.setup_s, p.trial_rounds)
-        end_s = 2 * inference_batch * per_image_s * FORWARD_SHARE  # the inference timing repeated at the end
-        box_left = None if self.left is None else self.box.left() - smaller_s - end_s - MARGIN * self.left
+        tail_s = inference_s(inference, per_image_s) + (self.share(TAIL_SHARE) or 0.0)
+        box_left = None if self.left is None else self.box.left() - smaller_s - tail_s - MARGIN * self.left
         clock = TrialClock(trial_window(box_left, training_s), block,
                            self.setup_s + 2 * p.trial_rounds * (block + 1) * step_s,  # a full trial at the base's speed
                            now=self.box.now)  # the box's clock: one clock for the box and its trials

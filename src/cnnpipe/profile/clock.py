@@ -1,10 +1,11 @@
 """When a trial may still start, and how long its timed blocks last.
 
 The trials get a window counted from their start (`box` sized everything before it: the base
-measurement, the trace and the inference timing), set by two limits: what is left of the stage's time box once the parts that must follow
-(the smaller batches' share, the last inference timing) are set aside, and a fifth of the training
-the profile informs, never under `MIN_WINDOW_S`. A trial starts only when one as long as the longest so far still fits, so the
-stage ends inside its box instead of running its last trial past it.
+measurement, the trace and the roofline), set by two limits: what is left of the stage's time box
+once the parts that must follow (the smaller batches' share, the inference timings) are set aside,
+and a fifth of the training the profile informs, never under `MIN_WINDOW_S`. A trial starts only when one as
+long as the longest so far still fits, so the stage ends inside its box instead of running its last
+trial past it.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def confirm_single(ctx: TrialContext, tuned: dict[str, Any], changed: dict[str, 
     trial = _second_trial(ctx, "confirm", changed)
     if trial.win:
         return tuned, trial
-    trial.note = "the second trial did not win: default kept"
+    trial.add_note("the second trial did not win: default kept")
     return {k: getattr(ctx.cfg.train, k) for k in tuned}, trial
 
 
@@ -78,9 +78,9 @@ def confirm_mix(ctx: TrialContext, results: list[Trial], tuned: dict[str, Any],
         trial = _second_trial(ctx, "combined", changed)
         if trial.win:
             return tuned, trial
-        trial.note = "the mix did not win"
+        trial.add_note("the mix did not win")
     best = max((t for t in results if t.win and t.knob in changed), key=lambda t: t.speedup)
-    trial.note += f"; kept only {best.knob}={best.change[best.knob]}"
+    trial.add_note(f"kept only {best.knob}={best.change[best.knob]}")
     return {k: (best.change[k] if k == best.knob else getattr(ctx.cfg.train, k)) for k in tuned}, trial
 
 

@@ -16,7 +16,7 @@ import copy
 import os
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -116,10 +116,12 @@ class Setup:
     split: PreparedSplit
     """The training split its loader reads, opened once for every setup of a profile."""
     step: int = 0
-    feed: Feed = field(init=False)
+    feed: Feed | None = None
+    """Its loader's batches (None: a feed of its own); a view (`under`) shares its setup's."""
 
     def __post_init__(self) -> None:
-        self.feed = Feed(self.loader)
+        if self.feed is None:
+            self.feed = Feed(self.loader)
 
     @property
     def device(self) -> torch.device:
@@ -144,9 +146,7 @@ class Setup:
         LR schedule's index): a trial's few steps move neither far from the other."""
         if not set(process) <= set(PROCESS_KNOBS):
             raise ValueError(f"only {PROCESS_KNOBS} change a setup in place, not {sorted(set(process))}")
-        view = replace(self, cfg=self.cfg.with_train(**process))
-        view.feed = self.feed  # (replace ran __post_init__: one feed, so the views share the epoch)
-        return view
+        return replace(self, cfg=self.cfg.with_train(**process))  # (the same feed: the views share the epoch)
 
 
 PROCESS_KNOBS = ("malloc",)
@@ -240,7 +240,8 @@ def inference_times(s: Setup, batch: int = EVAL_BATCH, calls: int = 3) -> list[f
     """Seconds per forward pass of `batch` images through this setup's model (eval mode, no
     autograd, its precision and layout): the speed validation and `evaluate` run at, for the plan.
     Measured, because a training step's forward share overstates it by up to 2x. Under the allocator
-    evaluate runs with (`malloc.keep_for_inference`), whatever the setup trains with."""
+    evaluate runs with (`malloc.keep_for_inference`), whatever the setup trains with: the profile
+    times it after its trials, whose blocks this would move off glibc's own thresholds."""
     keep_for_inference()
     return forward_times(unwrap(s.ctx.model), s.in_chans, s.cfg.data.image_size, s.cfg.train.channels_last,
                          s.ctx.amp, s.device, batch=batch, calls=calls)

@@ -186,8 +186,8 @@ def headline(r: dict[str, Any]) -> str:
     peaks = r["peaks"]
     if r["achieved_gflops"] is None:
         return "the step cannot be set against the peaks: no FLOPs were counted, or no step time measured"
-    if limit(peaks)[0] == "fp32":
-        text = (f"the step runs at {_pct(r['achieved_gflops'] / peaks['fp32_gflops'])} of this machine's fp32 rate, "
+    if r["limit"] == "fp32":
+        text = (f"the step runs at {_pct(r['limit_share'])} of this machine's fp32 rate, "
                 f"its faster matmul here ({_num(r['achieved_gflops'])} GFLOP/s of {_num(peaks['fp32_gflops'])}; "
                 f"bf16 {_num(peaks['bf16_gflops'])})")
     else:

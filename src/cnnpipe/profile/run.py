@@ -66,7 +66,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     `time_box_s` is the stage's share of the budget, counted from the process start (None: no
     budget); `box` overrides that deadline (tests). One probe step sizes every part to a share of
     what the box has left (`box`): the base measurement (at a smaller batch when the recipe's is too
-    slow for the box), the trace, the smaller batches' speeds, the inference timing and the trials.
+    slow for the box), the trace, the trials, the smaller batches' speeds and, last, the inference timing.
     """
     # A catalog smaller than the batch: measure the batch training will halve to (it cannot step at this one).
     train = open_split(prepared_dir, "train")  # once: every setup and trial reads this one
@@ -106,14 +106,12 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     roofline = summarize(peaks, base.ctx.amp, step_s, count.flops, count.bytes, op_us, count.basis, op_step_s)
     if info.rank == 0:
         write_roofline_summary(trace_dir, roofline)
-    inference = plan.inference(per_image_s, EVAL_BATCH)
-    inference_s = inference_times(base, inference.batch, inference.calls)
-    export_img_s, export_batch = cpu_fp32_inference(base, plan.share(TAIL_SHARE))
     trace_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_s = checkpoint_write_s(base, trace_dir) if info.rank == 0 else 0.0
     training_s = t.epoch_count * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
     batches = smaller_batches(cfg) if with_trials else []
-    trials = plan.trials(step_s, per_image_s, batches, training_s, inference.batch)
+    inference = plan.inference(per_image_s, EVAL_BATCH)
+    trials = plan.trials(step_s, per_image_s, batches, training_s, inference)
     ctx = TrialContext(measured, requested, info, train, base, trials.clock, measured_step_s=step_s)
     if with_trials and trials.batch != batch:  # not one full trial fits at the measured batch: a smaller one
         ctx = ctx.at(build_setup(measured.with_train(batch_size=trials.batch), info, train))
@@ -141,7 +139,10 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     label, recs = diagnose(facts)
     if with_trials and combined is None and not trials.clock.out_of_time():  # (`gain` cannot be this mix's)
         combined = recommended_together(ctx, results, [r.knob for r in recs if r.knob and r.knob != "batch_size"])
-    inference_s += inference_times(base, inference.batch, calls=1)
+    # Last: the inference timings run at `keep`, as evaluate and export do, and once set, glibc's own
+    # thresholds are gone for the rest of the process (`cnnpipe.malloc`): every trial is done by now.
+    inference_s = inference_times(base, inference.batch, inference.calls)
+    export_img_s, export_batch = cpu_fp32_inference(base, plan.share(TAIL_SHARE))
     needed = plan.needed_s(time_box_s)
     return {
         "variant": cfg.variant,

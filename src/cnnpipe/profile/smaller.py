@@ -65,8 +65,7 @@ def smaller_batch_trials(ctx: TrialContext, batches: Sequence[int], tuned: dict[
         trial = ctx.paired("smaller_batch", {"batch_size": batch}, at_batch, rounds=rounds)
         trial.win = False  # measured for the plan, never tuned: the batch changes the optimisation
         if rounds < p.trial_rounds:
-            trial.note = ((trial.note + "; " if trial.note else "")
-                          + f"{rounds} of {p.trial_rounds} rounds: the time box")
+            trial.add_note(f"{rounds} of {p.trial_rounds} rounds: the time box")
         entry, gain = {**trial.to_dict(), **entry}, 1.0
         for knob in retune:  # (the speed itself always: the plan needs it)
             if ctx.clock.out_of_time():

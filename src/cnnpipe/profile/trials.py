@@ -15,7 +15,7 @@ from cnnpipe import malloc
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.store.shards import PreparedSplit
 from cnnpipe.hardware import cpu_has_fast_bf16
-from cnnpipe.profile.clock import COMPILE_S, OUT_OF_TIME, TrialClock
+from cnnpipe.profile.clock import COMPILE_S, OUT_OF_TIME, TrialClock, block_steps
 from cnnpipe.profile.diagnosis import MEMORY_FRAC
 from cnnpipe.profile.measure import PROCESS_KNOBS, Setup, build_setup, memory_frac, train_step
 from cnnpipe.train.distributed import DistInfo
@@ -36,6 +36,10 @@ class Trial:
     after_img_s: float = 0.0
     win: bool = False
     note: str = ""
+
+    def add_note(self, text: str) -> None:
+        """`text` after what the note already says."""
+        self.note = f"{self.note}; {text}" if self.note else text
 
     def to_dict(self) -> dict[str, Any]:
         return {"knob": self.knob, "change": self.change, "speedup": self.speedup,
@@ -138,8 +142,8 @@ def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.devic
     gain over its hand setting); workers, pin_memory, compile and the allocator (`malloc`, on a CPU
     where glibc is the C library) only when asked for; the decode's place when `auto` on CUDA with a JPEG store
     (`encoding`) and the fast loader, the one case with two places to decode. The knobs in
-    `recommended` (the diagnosis's, bottleneck first) come first, in its order; the allocator, when not
-    among them, last.
+    `recommended` (the diagnosis's, bottleneck first) come first, in its order; the allocator last of
+    all, wherever the diagnosis ranks it (`run_trials`).
     """
     t, auto, asked = cfg.train, set(auto_knobs(requested)), set(recommended)
     out: list[tuple[str, dict[str, Any]]] = []
@@ -161,11 +165,9 @@ def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.devic
         out.append(("decode", {"decode": "cpu" if t.decode == "device" else "device"}))
     if (("malloc" in auto and device.type == "cpu") or "malloc" in asked) and malloc.available():
         out.append(("malloc", {"malloc": "system" if t.malloc == "keep" else "keep"}))
-    # the diagnosis's picks first: when the window is short, they are the trials that get measured;
-    # the allocator, unless picked, last of all: its blocks switch the process's allocator back and
-    # forth, and `system` after `keep` is glibc's thresholds at their cap (`cnnpipe.malloc`)
+    # the diagnosis's picks first: when the window is short, they are the trials that get measured
     rank = {knob: i for i, knob in enumerate(recommended)}
-    return sorted(out, key=lambda kc: (kc[0] == "malloc" and kc[0] not in rank, rank.get(kc[0], len(rank))))
+    return sorted(out, key=lambda kc: (kc[0] in PROCESS_KNOBS, rank.get(kc[0], len(rank))))
 
 
 def ruled_out(change: dict[str, Any], device: torch.device) -> str:
@@ -177,32 +179,38 @@ def ruled_out(change: dict[str, Any], device: torch.device) -> str:
 
 
 def run_trials(ctx: TrialContext, recommended: Sequence[str], grow_batch: bool = True) -> list[Trial]:
-    """Measure each candidate against the base, then grow the batch while it pays (`grow_batch`); a
-    candidate whose turn comes when the clock has no room for another trial is noted, not timed."""
-    p, clock, results = ctx.cfg.profile, ctx.clock, []
-    for knob, change in candidates(ctx.cfg, ctx.requested, ctx.info.device, recommended, ctx.encoding):
-        if not fits(ctx, knob):
-            reason = out_of_time_note(ctx, knob)
-        else:  # `profile.trial_ruled_out` times what the hardware rules out too
-            reason = "" if p.trial_ruled_out else ruled_out(change, ctx.info.device)
-        if reason:
-            results.append(Trial(knob, change, note=reason))
-            continue
-        if knob in PROCESS_KNOBS:  # (nothing built, maybe at a larger batch: not what the next trial takes)
-            results.append(process_trial(ctx, knob, change))
-            continue
-        with clock.timing():
-            if knob == "compile":
-                results.append(compile_trial(ctx, change))
-                continue
-            candidate = ctx.build(**change)
-            results.append(ctx.paired(knob, change, candidate))
-            del candidate
+    """Measure each candidate against the base, then grow the batch while it pays (`grow_batch`), then
+    the process knobs; a candidate whose turn comes when the clock has no room for another trial is
+    noted, not timed.
+
+    The allocator comes after every other trial, even as the diagnosis's first pick: once its blocks
+    set `keep`, glibc's own thresholds are gone for the rest of the process, and `system` can only be
+    them at their cap (`cnnpipe.malloc`), where a fresh training process moves them itself.
+    """
+    offered = candidates(ctx.cfg, ctx.requested, ctx.info.device, recommended, ctx.encoding)
+    results = [measure_candidate(ctx, knob, change) for knob, change in offered if knob not in PROCESS_KNOBS]
     if grow_batch:
         results += batch_trials(ctx)
     else:
         results.append(Trial("batch_size", {"batch_size": ctx.cfg.train.batch_size * 2}, note=LARGER_DO_NOT_FIT))
-    return results
+    return results + [measure_candidate(ctx, knob, change) for knob, change in offered if knob in PROCESS_KNOBS]
+
+
+def measure_candidate(ctx: TrialContext, knob: str, change: dict[str, Any]) -> Trial:
+    """One candidate's trial against the base, or a note saying why it was not timed (the clock, or
+    hardware that rules it out, unless `profile.trial_ruled_out`)."""
+    if not fits(ctx, knob):
+        reason = out_of_time_note(ctx, knob)
+    else:
+        reason = "" if ctx.cfg.profile.trial_ruled_out else ruled_out(change, ctx.info.device)
+    if reason:
+        return Trial(knob, change, note=reason)
+    if knob in PROCESS_KNOBS:  # (nothing built, maybe at a larger batch: not what the next trial takes)
+        return process_trial(ctx, knob, change)
+    with ctx.clock.timing():
+        if knob == "compile":
+            return compile_trial(ctx, change)
+        return ctx.paired(knob, change, ctx.build(**change))
 
 
 NOT_AT_TRAINING_BATCH = ("not measured: its gain depends on the size of a step's blocks, and no trial at the "
@@ -250,17 +258,16 @@ def process_trial(ctx: TrialContext, name: str, change: dict[str, Any]) -> Trial
     trial = paired_trial(name, change, measured, measured.under(**change), ctx.cfg.profile.trial_rounds,
                          process_block(ctx), ctx.cfg.profile.min_gain)
     if at_smaller_batch(ctx):
-        trial.note = (trial.note + "; " if trial.note else "") + f"at batch {measured.cfg.train.batch_size}"
+        trial.add_note(f"at batch {measured.cfg.train.batch_size}")
     return trial
 
 
 def process_block(ctx: TrialContext) -> int:
-    """Timed steps per block of a process knob's trial: the clock's block, scaled down to the measured
-    batch where that is larger (about as many images a block), never under `profile.trial_steps`."""
+    """Timed steps per block of a process knob's trial: the clock's block, or at the measured batch,
+    where the trials run at a smaller one, the clock's rule applied to the measured step."""
     if not at_smaller_batch(ctx):
         return ctx.clock.block
-    scaled = ctx.clock.block * ctx.base.images_per_step // ctx.measured.images_per_step
-    return max(ctx.cfg.profile.trial_steps, scaled)
+    return block_steps(ctx.measured_step_s, ctx.cfg.profile.trial_steps)
 
 
 LARGER_DO_NOT_FIT = "not measured: the profile measured at a smaller batch, a larger one does not fit its time box"
@@ -324,8 +331,8 @@ def compile_trial(ctx: TrialContext, change: dict[str, Any] | None = None) -> Tr
     compile_s = max(0.0, first_step_s - step_compiled)
     total_steps = ctx.cfg.train.epoch_count * current.steps_per_epoch
     run_gain = (step_eager * total_steps) / (step_compiled * total_steps + compile_s)
-    trial.note = (f"compile took {compile_s:.0f} s; {run_gain:.2f}x over the run's {total_steps} steps "
-                  f"(per step {trial.speedup:.2f}x)")
+    trial.add_note(f"compile took {compile_s:.0f} s; {run_gain:.2f}x over the run's {total_steps} steps "
+                   f"(per step {trial.speedup:.2f}x)")
     trial.win = trial.win and run_gain >= 1 + p.min_gain
     return trial
 
