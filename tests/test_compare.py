@@ -248,7 +248,7 @@ def test_the_speed_claim_says_what_share_of_the_machines_limit_each_recipe_reach
     """Beside the ratio, each recipe's step against the bf16 matmul rate its profile measured (and, for
     a recipe that trains in fp32, against that rate too); none without both profiles' rooflines. Where
     the profile measured fp32 faster than bf16 (a CPU without AMX), the limit is the fp32 rate."""
-    def profile(math: str, share: float, gflops: float, fp32: float = 200.0) -> dict:
+    def profile(math: str, share: float, gflops: float, fp32: float | None = 200.0) -> dict:
         peaks = {"bf16_gflops": 400.0, "fp32_gflops": fp32}
         faster, rate = limit(peaks)  # (as the profile's roofline records it)
         return {"roofline": {"math": math, "math_share": gflops / (fp32 if math == "fp32" else 400.0),
@@ -270,7 +270,8 @@ def test_the_speed_claim_says_what_share_of_the_machines_limit_each_recipe_reach
     mixed = {"baseline": roof["baseline"], "optimized": slow_bf16["optimized"]}
     said = limit_sentence({"roofline": mixed})
     assert "optimized 43% (172 GFLOP/s)" in said and "of the bf16 matmul rate the profile measured (400" in said
-    no_fp32 = {**roof["optimized"], "fp32_peak_gflops": None}  # (a profile without the fp32 rate: bf16's limit)
+    no_fp32 = roofline_of(profile("bf16", 0.43, 172.0, fp32=None))  # (a profile without the fp32 rate)
+    assert no_fp32["limit"] == "bf16" and no_fp32["limit_share"] == pytest.approx(0.43)
     assert "of the bf16 matmul rate" in limit_sentence({"roofline": {**slow_bf16, "optimized": no_fp32}})
 
 

@@ -622,19 +622,19 @@ def test_the_allocator_is_tried_at_the_measured_batch_not_the_halved_trial_batch
     monkeypatch.setattr(prof, "build_setup", lambda *a: pytest.fail("a process knob's trial builds nothing"))
     cfg = config(tmp_path, batch_size=64)  # (the tests' profile: 2 rounds)
     measured, small = SizedSetup(cfg, 64), SizedSetup(cfg, 16)
-    # a 0.2 s step at batch 64: blocks of 2 steps there (the clock's 0.4 s), 8 at batch 16;
-    # 2 rounds of 2 blocks of 1 + 2 steps take 2.4 s, where the usual trial takes 30 s
+    # a 0.1 s step at batch 64: blocks of 4 steps there (the clock's 0.4 s), 8 at batch 16;
+    # 2 rounds of 2 blocks of 1 + 4 steps take 2.0 s, where the usual trial takes 30 s
     clock = TrialClock(window_s=80.0, block=8, trial_s=30.0, now=lambda: 0.0)
-    ctx = dataclasses.replace(trial_ctx(cfg, base=measured, clock=clock), measured_step_s=0.2).at(small)
-    assert ctx.measured is measured and ctx.base is small and prof.extra_s(ctx, "malloc") == pytest.approx(2.4 - 30)
+    ctx = dataclasses.replace(trial_ctx(cfg, base=measured, clock=clock), measured_step_s=0.1).at(small)
+    assert ctx.measured is measured and ctx.base is small and prof.extra_s(ctx, "malloc") == pytest.approx(2.0 - 30)
     trial = prof.run_trials(ctx, [], grow_batch=False)[-1]  # (after the batch's note)
     (knob, current, candidate, steps), = paired
     assert current is measured and candidate.of is measured and candidate.cfg.train.malloc == "keep"
-    assert steps == 2 and trial.win and trial.note == "at batch 64"
+    assert steps == 4 and trial.win and trial.note == "at batch 64"
     assert clock.trial_s == 30.0  # (not the next trials' length: nothing was built)
     tuned, confirm = decision.confirm_winners(ctx, [trial], {"malloc": "keep"})
     assert tuned == {"malloc": "keep"} and confirm.knob == "confirm" and paired[-1][1] is measured
-    clock.window_s = 2.0  # 2.4 s of blocks at batch 64: past the window
+    clock.window_s = 1.9  # 2.0 s of blocks at batch 64: past the window
     unmeasured = prof.run_trials(ctx, [], grow_batch=False)[-1]
     assert unmeasured.note == prof.NOT_AT_TRAINING_BATCH.format(measured=64, trial=16) and not unmeasured.win
     assert len(paired) == 2

@@ -26,6 +26,7 @@ from cnnpipe.profile.box import (
     trace_steps,
     trial_batch,
 )
+from cnnpipe.profile.measure import Fp32Timing
 from cnnpipe.profile.peaks import StepCount
 from cnnpipe.profile.roofline import Peaks
 from cnnpipe.profile.run import profile_variant, summary
@@ -181,19 +182,20 @@ def test_the_plan_sizes_each_part_from_what_the_box_has_left_when_it_is_reached(
     assert (inference.batch, inference.calls) == (256, 3) and inference_s(inference, 0.01) == pytest.approx(3.41, 0.01)
     assert plan.inference(0.02, 256).calls == 1  # (twice as slow: 6.8 s, 5.1 s with two calls, 3.4 s with one)
     now[0] = 60.0  # the base, the trace and the roofline took 20 s: 40 s left
-    trials = plan.trials(step_s=2.56, per_image_s=0.01, batches=[128, 64], training_s=1000.0, inference=inference)
+    tail_s = inference_s(inference, 0.01) + 4.0  # and the export's fp32 timing, sized by a call of its own
+    trials = plan.trials(step_s=2.56, per_image_s=0.01, batches=[128, 64], training_s=1000.0, tail_s=tail_s)
     # The smaller batches' 15 s hold no round (11.5 s against 128 and 9.6 s against 64, after a 1 s
-    # build): predicted, nothing reserved. The window: 40 s less the inference timing that follows
-    # the trials (3.4 s), the export's fp32 timing's share (4.8 s) and the 6 s margin. One full trial
-    # at 256 takes 47 s: the trials run at 128 (24 s).
+    # build): predicted, nothing reserved. The window: 40 s less the inference timings that follow
+    # the trials (3.4 s and 4 s) and the 6 s margin. One full trial at 256 takes 47 s: the trials
+    # run at 128 (24 s).
     assert trials.rounds_for == {128: 0, 64: 0}
-    assert trials.clock.window_s == pytest.approx(40.0 - 4 * 256 * 0.01 / 3 - 4.8 - 6.0)
+    assert trials.clock.window_s == pytest.approx(40.0 - 4 * 256 * 0.01 / 3 - 4.0 - 6.0)
     assert trials.batch == 128 and trials.clock.trial_s == pytest.approx(1.0 + 3 * 3 * 2 * 1.28)
     assert trials.block == 2 and plan.needed_s(100.0) is None
     # Without a box: the recipe's batch and the `profile:` counts, no window.
     free = BoxPlan.after_probe(TimeBox(None), p, 256, 1, probe_s=0.01, setup_s=1.0)
     assert (free.batch, free.base_steps(), free.trace(2.56).total) == (256, 6, 7)
-    assert free.trials(2.56, 0.01, [128], 1000.0, free.inference(0.01, 256)).clock.window_s is None
+    assert free.trials(2.56, 0.01, [128], 1000.0, 0.0).clock.window_s is None
 
 
 def test_a_box_too_small_at_any_batch_says_the_box_it_would_need(tmp_path):
@@ -245,10 +247,12 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
              "write_roofline_summary": lambda trace_dir, roofline: None,
              "inference_times": lambda s, batch, calls: seen.setdefault("order", []).append("inference")
              or [0.004 * batch] * calls,
-             "cpu_fp32_inference": lambda s, share: seen["order"].append("export") or (100.0, 64),
+             "cpu_fp32_timing": lambda s, share: Fp32Timing(64, 2, 0.5),
+             "cpu_fp32_inference": lambda s, timing: seen["order"].append("export") or 100.0,
              "process_seconds": lambda: 0.0,
              "run_trials": trials, "smaller_batch_trials": smaller,
-             "confirm_winners": lambda ctx, results, tuned: (tuned, None), "recommended_together": lambda *a: None,
+             "confirm_winners": lambda ctx, results, tuned: seen["order"].append("confirm") or (tuned, None),
+             "recommended_together": lambda *a: seen["order"].append("together"),
              "open_split": lambda prepared, split: range(600)}  # a training split of 600 images
     for name, fake in fakes.items():
         monkeypatch.setattr(run, name, fake)
@@ -262,7 +266,8 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
     assert result["trial_window_s"] == seen["smaller"][3].window_s  # one clock for both
     # the inference timings (at `keep`, as evaluate and export run) after every trial: glibc's own
     # thresholds stay for the trials' blocks
-    assert seen["order"] == ["trials", "smaller", "inference", "export"]
+    assert seen["order"] == ["trials", "confirm", "smaller", "together", "inference", "export"]
+    assert result["export_batch"] == 64
 
 
 def test_a_trial_context_at_another_base_keeps_everything_else():

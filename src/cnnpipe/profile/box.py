@@ -19,13 +19,14 @@ size, batch or device:
   set aside, less `MARGIN` (`clock.trial_window`); at a halved batch (`trial_batch`) where not
   one full trial fits at the measured one, so that slow steps still get their `auto` knobs measured,
   the diagnosis's picks first;
-- the inference timing, last: `TAIL_SHARE`, at a smaller batch when slow, and the export's fp32
-  timing on the CPU another `TAIL_SHARE`, sized by a call of its own (`measure.cpu_fp32_inference`).
-  They run at the allocator evaluate and export run with (`keep`), which would take every later
-  trial off glibc's own thresholds (`cnnpipe.malloc`).
+- the inference timing, sized before the trials and run after them: `TAIL_SHARE`, at a smaller
+  batch when slow, and the export's fp32 timing on the CPU another `TAIL_SHARE`, sized by a call of
+  its own (`measure.cpu_fp32_timing`). They run at the allocator evaluate and export run with
+  (`keep`), which would take every later trial off glibc's own thresholds (`cnnpipe.malloc`).
 
 `BoxPlan` holds that state for one profile: built once after the probe, it sizes each part as the
-stage reaches it (reading the box's clock where what is left depends on what came before).
+stage reaches it (reading the box's clock where what is left depends on what came before), the
+inference timings before the trials that they follow.
 Without a box (no budget) the counts in `profile:` apply unchanged.
 """
 
@@ -235,7 +236,7 @@ class TrialPlan:
 @dataclass(frozen=True)
 class BoxPlan:
     """The profile's box, split part by part from the probe (`BoxPlan.after_probe`): the batch the
-    base is measured at, then the base's steps, the trace, the inference timing and the trials,
+    base is measured at, then the base's steps, the trace, the trials and the inference timing,
     each a share of `left`, what the box had left when the probe ended (None: no box)."""
 
     box: TimeBox
@@ -284,10 +285,10 @@ class BoxPlan:
         return inference_plan(per_image_s, self.share(TAIL_SHARE), batch)
 
     def trials(self, step_s: float, per_image_s: float, batches: list[int], training_s: float,
-               inference: Inference) -> TrialPlan:
+               tail_s: float) -> TrialPlan:
         """The trials' plan, made when they are next: the smaller batches' rounds are reserved first,
-        then the inference timings that follow them (`inference` and the export's `TAIL_SHARE`) and
-        `MARGIN`, from what the box has left now; the window is at
+        then `tail_s`, the inference timings that follow them, and `MARGIN`, from what the box has left
+        now; the window is at
         most a fifth of `training_s`. Where not one full trial fits at the measured batch, they run at
         a halved one (`trial_batch`), with the clock's block and trial length set for it."""
         p = self.profile
@@ -295,7 +296,6 @@ class BoxPlan:
         block = block_steps(step_s, p.trial_steps)
         rounds_for, smaller_s = smaller_rounds(batches, self.batch, self.share(SMALLER_SHARE), block,
                                                step_per_image_s, self.setup_s, p.trial_rounds)
-        tail_s = inference_s(inference, per_image_s) + (self.share(TAIL_SHARE) or 0.0)
         box_left = None if self.left is None else self.box.left() - smaller_s - tail_s - MARGIN * self.left
         clock = TrialClock(trial_window(box_left, training_s), block,
                            self.setup_s + 2 * p.trial_rounds * (block + 1) * step_s,  # a full trial at the base's speed

@@ -20,7 +20,7 @@ from cnnpipe.config import VariantConfig
 from cnnpipe.data.store.shards import open_split
 from cnnpipe.files import write_json, write_text
 from cnnpipe.monitor import peak_mem_mb, reset_peak_memory
-from cnnpipe.profile.box import PROBE_IMAGES, ROOFLINE_SHARE, TAIL_SHARE, BoxPlan, TimeBox
+from cnnpipe.profile.box import PROBE_IMAGES, ROOFLINE_SHARE, TAIL_SHARE, BoxPlan, TimeBox, inference_s
 from cnnpipe.profile.decision import best_batch, confirm_winners, tuned_settings, tuned_speedup
 from cnnpipe.profile.diagnosis import Facts, Recommendation, diagnose
 from cnnpipe.profile.format import all_trials
@@ -28,6 +28,7 @@ from cnnpipe.profile.measure import (
     build_setup,
     checkpoint_write_s,
     cpu_fp32_inference,
+    cpu_fp32_timing,
     first_step_s,
     fractions,
     inference_times,
@@ -111,7 +112,8 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     training_s = t.epoch_count * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
     batches = smaller_batches(cfg) if with_trials else []
     inference = plan.inference(per_image_s, EVAL_BATCH)
-    trials = plan.trials(step_s, per_image_s, batches, training_s, inference)
+    export = cpu_fp32_timing(base, plan.share(TAIL_SHARE))  # sized now, timed after the trials
+    trials = plan.trials(step_s, per_image_s, batches, training_s, inference_s(inference, per_image_s) + export.seconds)
     ctx = TrialContext(measured, requested, info, train, base, trials.clock, measured_step_s=step_s)
     if with_trials and trials.batch != batch:  # not one full trial fits at the measured batch: a smaller one
         ctx = ctx.at(build_setup(measured.with_train(batch_size=trials.batch), info, train))
@@ -141,8 +143,11 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         combined = recommended_together(ctx, results, [r.knob for r in recs if r.knob and r.knob != "batch_size"])
     # Last: the inference timings run at `keep`, as evaluate and export do, and once set, glibc's own
     # thresholds are gone for the rest of the process (`cnnpipe.malloc`): every trial is done by now.
-    inference_s = inference_times(base, inference.batch, inference.calls)
-    export_img_s, export_batch = cpu_fp32_inference(base, plan.share(TAIL_SHARE))
+    del ctx  # (a trial batch's setup: not held through the timings)
+    if info.device.type == "cuda":
+        torch.cuda.empty_cache()
+    inference_times_s = inference_times(base, inference.batch, inference.calls)
+    export_img_s = cpu_fp32_inference(base, export)
     needed = plan.needed_s(time_box_s)
     return {
         "variant": cfg.variant,
@@ -159,10 +164,10 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
         "steps_timed": len(times),
         "throughput_img_s": base.images_per_step / step_s,
         "probe_s_per_image": probe_s,
-        "inference_img_s": inference.batch / statistics.median(inference_s),
+        "inference_img_s": inference.batch / statistics.median(inference_times_s),
         "inference_batch": inference.batch,
         "export_img_s": export_img_s,
-        "export_batch": export_batch,
+        "export_batch": export.batch,
         "startup_s": startup_s,
         "warmup_s": warmup_s,
         "checkpoint_s": checkpoint_s,

@@ -166,6 +166,7 @@ def candidates(cfg: VariantConfig, requested: VariantConfig, device: torch.devic
     if (("malloc" in auto and device.type == "cpu") or "malloc" in asked) and malloc.available():
         out.append(("malloc", {"malloc": "system" if t.malloc == "keep" else "keep"}))
     # the diagnosis's picks first: when the window is short, they are the trials that get measured
+    # (the allocator's excepted: it comes after the others, `run_trials`)
     rank = {knob: i for i, knob in enumerate(recommended)}
     return sorted(out, key=lambda kc: (kc[0] in PROCESS_KNOBS, rank.get(kc[0], len(rank))))
 
@@ -183,9 +184,10 @@ def run_trials(ctx: TrialContext, recommended: Sequence[str], grow_batch: bool =
     the process knobs; a candidate whose turn comes when the clock has no room for another trial is
     noted, not timed.
 
-    The allocator comes after every other trial, even as the diagnosis's first pick: once its blocks
-    set `keep`, glibc's own thresholds are gone for the rest of the process, and `system` can only be
-    them at their cap (`cnnpipe.malloc`), where a fresh training process moves them itself.
+    The allocator comes after the other candidates and the batch's growth, even as the diagnosis's
+    first pick: once its blocks set `keep`, glibc's own thresholds are gone for the rest of the
+    process, and `system` can only be them at their cap (`cnnpipe.malloc`), where a fresh training
+    process moves them itself. (The confirmations and the smaller batches' blocks still follow it.)
     """
     offered = candidates(ctx.cfg, ctx.requested, ctx.info.device, recommended, ctx.encoding)
     results = [measure_candidate(ctx, knob, change) for knob, change in offered if knob not in PROCESS_KNOBS]
@@ -265,7 +267,7 @@ def process_trial(ctx: TrialContext, name: str, change: dict[str, Any]) -> Trial
 def process_block(ctx: TrialContext) -> int:
     """Timed steps per block of a process knob's trial: the clock's block, or at the measured batch,
     where the trials run at a smaller one, the clock's rule applied to the measured step."""
-    if not at_smaller_batch(ctx):
+    if not at_smaller_batch(ctx) or not ctx.measured_step_s:  # (an unknown step: the clock's)
         return ctx.clock.block
     return block_steps(ctx.measured_step_s, ctx.cfg.profile.trial_steps)
 
@@ -331,8 +333,9 @@ def compile_trial(ctx: TrialContext, change: dict[str, Any] | None = None) -> Tr
     compile_s = max(0.0, first_step_s - step_compiled)
     total_steps = ctx.cfg.train.epoch_count * current.steps_per_epoch
     run_gain = (step_eager * total_steps) / (step_compiled * total_steps + compile_s)
-    trial.add_note(f"compile took {compile_s:.0f} s; {run_gain:.2f}x over the run's {total_steps} steps "
-                   f"(per step {trial.speedup:.2f}x)")
+    said = (f"compile took {compile_s:.0f} s; {run_gain:.2f}x over the run's {total_steps} steps "
+            f"(per step {trial.speedup:.2f}x)")
+    trial.note = f"{said}; {trial.note}" if trial.note else said  # (the compile first: what judges it)
     trial.win = trial.win and run_gain >= 1 + p.min_gain
     return trial
 
