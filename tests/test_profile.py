@@ -572,6 +572,35 @@ def test_the_allocator_is_measured_when_auto_or_asked_for_and_after_every_other_
     assert ("malloc", {"malloc": "keep"}) in candidates(base_cfg, baseline, torch.device("cpu"), ["malloc"])
 
 
+def test_the_diagnosiss_pick_of_the_allocator_keeps_its_time_while_the_others_run(monkeypatch, tmp_path):
+    """Measured last, not dropped: where the diagnosis picked the allocator (`page_faults`), the
+    window is shorter by its trial while the other candidates run; unpicked, it gets what is left."""
+    import cnnpipe.profile.trials as trials_mod
+
+    now = [0.0]
+
+    def timed(knob, change, *a):  # every trial takes 4 s of the fake clock
+        now[0] += 4.0
+        return Trial(knob, change, 1.0)
+
+    offered = [("amp", {"amp": "off"}), ("loader", {"loader": "baseline"}), ("malloc", {"malloc": "keep"})]
+    monkeypatch.setattr(trials_mod, "candidates", lambda *a: offered)
+    monkeypatch.setattr(trials_mod, "build_setup", lambda *a: object())
+    monkeypatch.setattr(trials_mod, "paired_trial", timed)
+    monkeypatch.setattr(trials_mod, "process_trial", lambda ctx, knob, change: timed(knob, change))
+    cfg = config(tmp_path)
+
+    def measured(recommended):
+        now[0] = 0.0
+        clock = TrialClock(window_s=10.0, trial_s=4.0, now=lambda: now[0])  # room for two 4 s trials
+        results = trials_mod.run_trials(trial_ctx(cfg, clock=clock), recommended, grow_batch=False)
+        assert clock.window_s == 10.0  # (held, then given back)
+        return [r.knob for r in results if r.speedup]
+
+    assert measured(["malloc", "amp"]) == ["amp", "malloc"]  # 4 s held for it: one other trial fits
+    assert measured(["amp"]) == ["amp", "loader"]  # unpicked: the two others took the window
+
+
 def test_each_block_of_a_trial_steps_under_its_own_allocator(monkeypatch, tmp_path, prepared):
     """The allocator is the process's: the A/B blocks switch it with every block, warm-up step included,
     on one setup stepped in place (`Setup.under`: one model, one optimizer, one place in the epoch)."""

@@ -78,6 +78,18 @@ class TrialClock:
         return self.window_s is not None and self.elapsed() + self.trial_s + extra_s > self.window_s
 
     @contextlib.contextmanager
+    def holding(self, seconds: float) -> Iterator[None]:
+        """The window `seconds` shorter while inside: time kept for a trial that comes after."""
+        if self.window_s is None:
+            yield
+            return
+        self.window_s -= seconds
+        try:
+            yield
+        finally:
+            self.window_s += seconds
+
+    @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
         """Time one trial; the longest so far is what the next one is expected to take."""
         t0 = self.now()

@@ -184,18 +184,22 @@ def run_trials(ctx: TrialContext, recommended: Sequence[str], grow_batch: bool =
     the process knobs; a candidate whose turn comes when the clock has no room for another trial is
     noted, not timed.
 
-    The allocator comes after the other candidates and the batch's growth, even as the diagnosis's
-    first pick: once its blocks set `keep`, glibc's own thresholds are gone for the rest of the
-    process, and `system` can only be them at their cap (`cnnpipe.malloc`), where a fresh training
-    process moves them itself. (The confirmations and the smaller batches' blocks still follow it.)
+    The allocator comes after the other candidates and the batch's growth: once its blocks set
+    `keep`, glibc's own thresholds are gone for the rest of the process, and `system` can only be
+    them at their cap (`cnnpipe.malloc`), where a fresh training process moves them itself. (The
+    confirmations and the smaller batches' blocks still follow it.) Where the diagnosis picked it,
+    the clock keeps its trial's time while the others run: measured last, not dropped.
     """
     offered = candidates(ctx.cfg, ctx.requested, ctx.info.device, recommended, ctx.encoding)
-    results = [measure_candidate(ctx, knob, change) for knob, change in offered if knob not in PROCESS_KNOBS]
-    if grow_batch:
-        results += batch_trials(ctx)
-    else:
-        results.append(Trial("batch_size", {"batch_size": ctx.cfg.train.batch_size * 2}, note=LARGER_DO_NOT_FIT))
-    return results + [measure_candidate(ctx, knob, change) for knob, change in offered if knob in PROCESS_KNOBS]
+    process = [(knob, change) for knob, change in offered if knob in PROCESS_KNOBS]
+    with ctx.clock.holding(sum(process_trial_s(ctx) for knob, _ in process if knob in recommended)):
+        results = [measure_candidate(ctx, knob, change) for knob, change in offered if knob not in PROCESS_KNOBS]
+        if grow_batch:
+            results += batch_trials(ctx)
+        else:
+            results.append(Trial("batch_size", {"batch_size": ctx.cfg.train.batch_size * 2},
+                                 note=LARGER_DO_NOT_FIT))
+    return results + [measure_candidate(ctx, knob, change) for knob, change in process]
 
 
 def measure_candidate(ctx: TrialContext, knob: str, change: dict[str, Any]) -> Trial:
@@ -219,14 +223,21 @@ NOT_AT_TRAINING_BATCH = ("not measured: its gain depends on the size of a step's
                          "batch {measured} fits the box (the others ran at batch {trial})")
 
 
+def process_trial_s(ctx: TrialContext) -> float:
+    """Seconds a process knob's trial takes: its blocks at the measured batch, each with its untimed
+    step (nothing is built; the clock's usual trial where the step is unknown)."""
+    if not ctx.measured_step_s:
+        return ctx.clock.trial_s
+    return 2 * ctx.cfg.profile.trial_rounds * (process_block(ctx) + 1) * ctx.measured_step_s
+
+
 def extra_s(ctx: TrialContext, knob: str) -> float:
     """Seconds `knob`'s trial takes beyond the clock's usual one: the compile; for a process knob, its
-    blocks at the measured batch less the usual trial (nothing is built; 0 where the step is unknown)."""
+    own length less the usual trial."""
     if knob == "compile":
         return COMPILE_S
-    if knob in PROCESS_KNOBS and ctx.measured_step_s:
-        rounds = ctx.cfg.profile.trial_rounds
-        return 2 * rounds * (process_block(ctx) + 1) * ctx.measured_step_s - ctx.clock.trial_s
+    if knob in PROCESS_KNOBS:
+        return process_trial_s(ctx) - ctx.clock.trial_s
     return 0.0
 
 
