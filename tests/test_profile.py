@@ -614,6 +614,8 @@ def test_each_block_of_a_trial_steps_under_its_own_allocator(monkeypatch, tmp_pa
     weights = [p.detach().clone() for p in kept.ctx.model.parameters()]
     stepped = []
     monkeypatch.setattr(measure, "use_malloc", stepped.append)
+    # both rounds, whatever the speeds: a busy machine can slow one tiny block past the clear-loss stop
+    monkeypatch.setattr("cnnpipe.profile.trials.CLEAR_LOSS", 0.0)
     trial = paired_trial("malloc", {"malloc": "system"}, kept, system, rounds=2, steps=1, min_gain=0.05)
     assert trial.before_img_s > 0 and trial.after_img_s > 0
     assert stepped == ["keep"] * 2 + ["system"] * 4 + ["keep"] * 2  # ABBA, an untimed step and a timed one each
