@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cnnpipe.config import ProfileConfig
-from cnnpipe.profile.clock import TrialClock, block_steps, trial_window
+from cnnpipe.profile.clock import TrialClock, block_steps, round_seconds, trial_window
 from cnnpipe.train.schedule import MIN_BATCH
 
 BASE_SHARE = 0.15
@@ -197,11 +197,6 @@ PREDICTED = ("predicted, not measured: the time box leaves no room for one round
              "the measured batch's images/s (time per step proportional to the batch)")
 
 
-def round_seconds(block: int, step_a: float, step_b: float) -> float:
-    """One round of a paired trial: a block of each side, each with its untimed first step."""
-    return (block + 1) * (step_a + step_b)
-
-
 def smaller_rounds(batches: list[int], measured_batch: int, share_s: float | None, block: int,
                    step_per_image_s: float, setup_s: float, rounds: int) -> tuple[dict[int, int], float]:
     """({batch: rounds} for each smaller batch, and the seconds they will take): each gets an equal
@@ -298,7 +293,7 @@ class BoxPlan:
                                                step_per_image_s, self.setup_s, p.trial_rounds)
         box_left = None if self.left is None else self.box.left() - smaller_s - tail_s - MARGIN * self.left
         clock = TrialClock(trial_window(box_left, training_s), block,
-                           self.setup_s + 2 * p.trial_rounds * (block + 1) * step_s,  # a full trial at the base's speed
+                           self.setup_s + p.trial_rounds * round_seconds(block, step_s, step_s),  # at the base's speed
                            now=self.box.now)  # the box's clock: one clock for the box and its trials
         tried = trial_batch(step_per_image_s, self.batch, clock.window_s, self.setup_s, p.trial_rounds, p.trial_steps)
         if tried != self.batch:

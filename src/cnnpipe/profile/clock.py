@@ -40,6 +40,11 @@ def block_steps(step_s: float, trial_steps: int) -> int:
     return max(trial_steps, math.ceil(MIN_BLOCK_S / max(step_s, 1e-6)))
 
 
+def round_seconds(block: int, step_a: float, step_b: float) -> float:
+    """One round of a paired trial: a block of each side, each with its untimed first step."""
+    return (block + 1) * (step_a + step_b)
+
+
 def trial_window(box_left_s: float | None, training_s: float) -> float | None:
     """Seconds the trials may take from now: what the budget's box leaves (None: no budget, no
     window), and at most `SHARE_OF_TRAINING` of the training, but never under `MIN_WINDOW_S`."""
@@ -58,6 +63,8 @@ class TrialClock:
     """Timed steps per block (`block_steps`)."""
     trial_s: float = 0.0
     """How long the next trial is expected to take: an estimate at first, then the longest one seen."""
+    reserved_s: float = 0.0
+    """Seconds of the window kept for trials that come later (`holding`): no trial may start into them."""
     now: Callable[[], float] = time.monotonic
     start: float = field(default=math.nan)
 
@@ -75,19 +82,17 @@ class TrialClock:
 
     def out_of_time(self, extra_s: float = 0.0) -> bool:
         """True when a trial as long as `trial_s` (plus `extra_s`) would end past the window."""
-        return self.window_s is not None and self.elapsed() + self.trial_s + extra_s > self.window_s
+        return (self.window_s is not None
+                and self.elapsed() + self.trial_s + extra_s + self.reserved_s > self.window_s)
 
     @contextlib.contextmanager
     def holding(self, seconds: float) -> Iterator[None]:
-        """The window `seconds` shorter while inside: time kept for a trial that comes after."""
-        if self.window_s is None:
-            yield
-            return
-        self.window_s -= seconds
+        """`seconds` of the window kept while inside, for a trial that comes after."""
+        self.reserved_s += seconds
         try:
             yield
         finally:
-            self.window_s += seconds
+            self.reserved_s -= seconds
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:

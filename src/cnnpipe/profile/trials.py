@@ -15,7 +15,7 @@ from cnnpipe import malloc
 from cnnpipe.config import VariantConfig
 from cnnpipe.data.store.shards import PreparedSplit
 from cnnpipe.hardware import cpu_has_fast_bf16
-from cnnpipe.profile.clock import COMPILE_S, OUT_OF_TIME, TrialClock, block_steps
+from cnnpipe.profile.clock import COMPILE_S, OUT_OF_TIME, TrialClock, block_steps, round_seconds
 from cnnpipe.profile.diagnosis import MEMORY_FRAC
 from cnnpipe.profile.measure import PROCESS_KNOBS, Setup, build_setup, memory_frac, train_step
 from cnnpipe.train.distributed import DistInfo
@@ -228,7 +228,8 @@ def process_trial_s(ctx: TrialContext) -> float:
     step (nothing is built; the clock's usual trial where the step is unknown)."""
     if not ctx.measured_step_s:
         return ctx.clock.trial_s
-    return 2 * ctx.cfg.profile.trial_rounds * (process_block(ctx) + 1) * ctx.measured_step_s
+    step = ctx.measured_step_s
+    return ctx.cfg.profile.trial_rounds * round_seconds(process_block(ctx), step, step)
 
 
 def extra_s(ctx: TrialContext, knob: str) -> float:
