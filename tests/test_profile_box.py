@@ -5,6 +5,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import cnnpipe.profile.measure as measure
 import cnnpipe.profile.run as run
@@ -247,7 +248,7 @@ def test_the_trials_and_the_smaller_batches_each_run_against_their_own_base(tmp_
              "write_roofline_summary": lambda trace_dir, roofline: None,
              "inference_times": lambda s, batch, calls: seen.setdefault("order", []).append("inference")
              or [0.004 * batch] * calls,
-             "cpu_fp32_timing": lambda s, share: Fp32Timing(64, 2, 0.5),
+             "cpu_fp32_timing": lambda s, share: Fp32Timing(torch.nn.Identity(), 64, 2, 0.5),
              "cpu_fp32_inference": lambda s, timing: seen["order"].append("export") or 100.0,
              "process_seconds": lambda: 0.0,
              "run_trials": trials, "smaller_batch_trials": smaller,

@@ -249,39 +249,39 @@ def inference_times(s: Setup, batch: int = EVAL_BATCH, calls: int = 3) -> list[f
 
 @dataclass(frozen=True)
 class Fp32Timing:
-    """How export's fp32 speed is timed (`cpu_fp32_timing`): a batch, timed calls, and the seconds
-    they are expected to take (0: not sized, no box)."""
+    """How export's fp32 speed is timed (`cpu_fp32_timing`): the model in fp32 on the CPU, a batch,
+    timed calls, and the seconds they are expected to take (0: not sized, no box)."""
 
+    model: torch.nn.Module
+    """The setup's model copied once, in fp32 on the CPU (host memory, whatever the training device):
+    a forward pass's time does not depend on what the trials' steps did to the weights."""
     batch: int
     calls: int
     seconds: float
 
 
-def _cpu_fp32(s: Setup) -> torch.nn.Module:
-    """A copy of this setup's model in fp32 on the CPU, contiguous layout: what export checks."""
-    return copy.deepcopy(unwrap(s.ctx.model)).float().cpu().to(memory_format=torch.contiguous_format)
-
-
 def cpu_fp32_timing(s: Setup, share_s: float | None = None, calls: int = 2) -> Fp32Timing:
-    """How to time this setup's model in fp32 on the CPU within `share_s` seconds: at the eval batch,
-    unless `calls` timed calls and one untimed one do not fit there, then at the largest halved batch
-    that does, sized by one call at batch 8 (the CPU's speed has nothing to do with a GPU's, so nothing
-    measured before can size it). Under the process's allocator as it is: it sizes, it does not time."""
+    """How to time this setup's model in fp32 on the CPU, contiguous layout (what export checks) within
+    `share_s` seconds: at the eval batch, unless `calls` timed calls and one untimed one do not fit
+    there, then at the largest halved batch that does, sized by one call at batch 8 (the CPU's speed
+    has nothing to do with a GPU's, so nothing measured before can size it). Under the process's
+    allocator as it is: it sizes, it does not time."""
+    model = copy.deepcopy(unwrap(s.ctx.model)).float().cpu().to(memory_format=torch.contiguous_format)
     if share_s is None:
-        return Fp32Timing(EVAL_BATCH, calls, 0.0)
-    per_image = forward_times(_cpu_fp32(s), s.in_chans, s.cfg.data.image_size, False, "off", torch.device("cpu"),
+        return Fp32Timing(model, EVAL_BATCH, calls, 0.0)
+    per_image = forward_times(model, s.in_chans, s.cfg.data.image_size, False, "off", torch.device("cpu"),
                               batch=8, calls=1)[0] / 8
     batch = EVAL_BATCH
     while batch > 8 and (calls + 1) * batch * per_image > share_s:
         batch //= 2
-    return Fp32Timing(batch, calls, (calls + 1) * batch * per_image)
+    return Fp32Timing(model, batch, calls, (calls + 1) * batch * per_image)
 
 
 def cpu_fp32_inference(s: Setup, timing: Fp32Timing) -> float:
-    """Images/s of this setup's model in fp32 on the CPU, contiguous layout, as `timing` says: where
-    and how export checks its files (ONNX Runtime runs on the CPU), whatever the training device."""
+    """Images/s of `timing`'s fp32 copy of this setup's model on the CPU, as `timing` says: where and
+    how export checks its files (ONNX Runtime runs on the CPU), whatever the training device."""
     keep_for_inference()  # as export runs
-    times = forward_times(_cpu_fp32(s), s.in_chans, s.cfg.data.image_size, False, "off", torch.device("cpu"),
+    times = forward_times(timing.model, s.in_chans, s.cfg.data.image_size, False, "off", torch.device("cpu"),
                           batch=timing.batch, calls=timing.calls)
     return timing.batch / statistics.median(times)
 

@@ -112,7 +112,7 @@ def profile_variant(requested: VariantConfig, info: DistInfo, prepared_dir: Path
     training_s = t.epoch_count * base.steps_per_epoch * step_s  # the whole split: what the plan may shrink
     batches = smaller_batches(cfg) if with_trials else []
     inference = plan.inference(per_image_s, EVAL_BATCH)
-    export = cpu_fp32_timing(base, plan.share(TAIL_SHARE))  # sized now, timed after the trials
+    export = cpu_fp32_timing(base, plan.share(TAIL_SHARE))  # sized now (its fp32 copy made), timed after the trials
     trials = plan.trials(step_s, per_image_s, batches, training_s, inference_s(inference, per_image_s) + export.seconds)
     ctx = TrialContext(measured, requested, info, train, base, trials.clock, measured_step_s=step_s)
     if with_trials and trials.batch != batch:  # not one full trial fits at the measured batch: a smaller one
