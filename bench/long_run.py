@@ -9,11 +9,14 @@ each case in a fresh process, the cases in turns:
 - `schedule`: the recipe as it trains (its LR schedule from step 0);
 - `frozen`: the same with every LR at 0 (the weights never move: the numbers stay those of the start);
 - `ftz`: the schedule with the CPU flushing denormal floats to zero (`torch.set_flush_denormal`,
-  called before any thread pool starts, so every thread inherits it).
+  called before any thread pool starts, so every thread inherits it);
+- `probed`: the schedule after what the profile runs before its base: the probe's partial batch
+  (`measure.probe_per_image`), then the first step.
 
 A slowdown in `schedule` that `frozen` lacks comes from the values training produces; one that
 `ftz` removes, from denormal floats. One that all three share is the machine (a VM slowing under
-sustained load). Prints each case's images/s per window of `--window` steps.
+sustained load). `probed` slower than `schedule` would mean the profile's own probe slows the steps
+its base then times. Prints each case's images/s per window of `--window` steps.
 
     python bench/long_run.py --variant optimized --steps 160 --rounds 2    # ~10 min at 32 px, 2 cores
 """
@@ -28,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-CASES = ("schedule", "frozen", "ftz")
+CASES = ("schedule", "frozen", "ftz", "probed")
 
 
 def run_case(case: str, variant: str, steps: int, window: int, params: str, data: Path, tuned: Path) -> list[float]:
@@ -41,7 +44,8 @@ def run_case(case: str, variant: str, steps: int, window: int, params: str, data
 
     from cnnpipe.data.store.shards import open_split
     from cnnpipe.params import load_params
-    from cnnpipe.profile.measure import build_setup, train_step
+    from cnnpipe.profile.box import PROBE_IMAGES
+    from cnnpipe.profile.measure import build_setup, probe_per_image, train_step
     from cnnpipe.train.distributed import init_distributed
     from cnnpipe.train.parts import set_threads
 
@@ -51,6 +55,8 @@ def run_case(case: str, variant: str, steps: int, window: int, params: str, data
     s = build_setup(cfg, info, open_split(data, "train"))
     if case == "frozen":
         s.ctx.lr_for_step = lambda step: 0.0
+    if case == "probed":
+        probe_per_image(s, PROBE_IMAGES)
     train_step(s)  # allocation and kernel selection
     rates = []
     for _ in range(steps // window):
