@@ -282,3 +282,24 @@ def test_a_trial_context_at_another_base_keeps_everything_else():
     measured = SimpleNamespace(cfg="cfg@256")
     smaller = dataclasses.replace(ctx, base=measured).at(base)
     assert smaller.measured is measured and smaller.at(measured).measured is measured  # (down and back up)
+
+
+def test_exports_fp32_timing_copies_the_model_once_and_times_that_copy(monkeypatch):
+    """The sizing call before the trials makes the fp32 CPU copy; the timing after them steps that very
+    copy (no second deep copy of the model), in fp32 and contiguous whatever the setup trains in."""
+    model = torch.nn.Conv2d(2, 4, 3).to(torch.bfloat16).to(memory_format=torch.channels_last)
+    assert not model.weight.is_contiguous()
+    s = SimpleNamespace(ctx=SimpleNamespace(model=model), in_chans=2,
+                        cfg=SimpleNamespace(data=SimpleNamespace(image_size=8)))
+    copies, timed = [], []
+    real_deepcopy = measure.copy.deepcopy
+    monkeypatch.setattr(measure.copy, "deepcopy", lambda m: copies.append(m) or real_deepcopy(m))
+    monkeypatch.setattr(measure, "keep_for_inference", lambda: None)
+    monkeypatch.setattr(measure, "forward_times",
+                        lambda m, *a, batch, calls: timed.append((m, batch)) or [0.001 * batch] * calls)
+    timing = measure.cpu_fp32_timing(s, share_s=0.05)  # 1 ms an image: 3 calls of 16 fit, of 32 do not
+    assert timing.batch == 16 and timing.model is not model and timing.model.weight.dtype == torch.float32
+    assert timing.model.weight.is_contiguous()
+    assert measure.cpu_fp32_inference(s, timing) == pytest.approx(1000.0)
+    assert len(copies) == 1 and [m for m, _ in timed] == [timing.model, timing.model]
+    assert [b for _, b in timed] == [8, 16]  # the sizing call at 8, then the timing at the batch it chose
