@@ -574,7 +574,8 @@ def test_the_allocator_is_measured_when_auto_or_asked_for_and_after_every_other_
 
 def test_the_diagnosiss_pick_of_the_allocator_keeps_its_time_while_the_others_run(monkeypatch, tmp_path):
     """Measured last, not dropped: where the diagnosis picked the allocator (`page_faults`), the
-    window is shorter by its trial while the other candidates run; unpicked, it gets what is left."""
+    clock keeps its trial's time in reserve (`reserved_s`) while the other candidates run; unpicked,
+    it gets what is left."""
     import cnnpipe.profile.trials as trials_mod
 
     now = [0.0]
